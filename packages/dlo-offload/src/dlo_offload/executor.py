@@ -1,0 +1,466 @@
+"""The streaming executor: forward hooks that page block weights through two device slots.
+
+While block k computes, block k+1's packed bytes are copied (and, in AllGather
+mode, gathered from every rank's shard) into the other slot on a side stream.
+Ordering is by events only, so the host never waits for the device in the hot path
+(streaming from the checkpoint adds one wait, for the staging buffer's last copy):
+
+* ``ready[s]``  recorded on the transfer stream after slot s is filled; the compute
+  stream waits on it before the block that lives in s runs.
+* ``free[s]``   recorded on the compute stream after the block in s has run; the
+  transfer stream waits on it before overwriting s.
+
+Outside its forward a streamed block's tensors are zero-size placeholders on the
+device, so a block used out of turn fails loudly instead of reading stale bytes.
+Device weight memory is the resident blocks and modules plus exactly two slots,
+each the size of the largest (padded) streamed block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._device import DeviceOps
+from ._tensors import SavedTensor, owner_of, set_tensor
+from .checkpoint import CHECKPOINT_MMAP, HostWeightPlan
+from .host_store import HostBlockStore, StagedCheckpointBlocks
+from .layout import BlockLayout, TensorEntry, block_tensors, layout_of, layouts_digest
+from .plan import OffloadPlan, ResolvedPlan, resolve_plan
+
+logger = logging.getLogger(__name__)
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+Mode = Literal["allgather", "rank_local"]
+
+RESIDENT_ALLGATHER_ERROR = (
+    "resident_blocks={n} was requested with use_allgather=True: resident blocks currently require "
+    "the no-AllGather mode (dlo_resident_layers currently requires --dlo-no-use-allgather so resident "
+    "blocks use weights prepared by the standard TP-aware loader). Pass use_allgather=False or "
+    "resident_blocks=0."
+)
+
+
+@dataclass
+class _StreamedBlock:
+    name: str
+    module: nn.Module
+    targets: list[tuple[nn.Module, str, TensorEntry]]
+    slot_views: tuple[list[torch.Tensor], list[torch.Tensor]]
+    placeholders: list[torch.Tensor]
+    requires_grad: bool
+    active_slot: int = -1  # the slot its tensors point into while it runs
+
+
+class LayerwiseOffload:
+    """Handle for an enabled layerwise offload; `remove()` restores the model.
+
+    Attributes:
+        mode: ``"allgather"`` (each rank holds 1/G of every block and the block is
+            rebuilt with an all-gather) or ``"rank_local"`` (whole blocks from this
+            rank's host copy).
+        world_size, rank: the sharding group's shape (1, 0 in rank-local mode).
+        slot_nbytes: bytes of one device slot (largest padded streamed block).
+        resident_nbytes: bytes of weights kept on the device (resident blocks and modules).
+        host_nbytes: bytes of packed block data held on this rank's host.
+        pinned: whether the host copies (or staging buffers) are pinned.
+        streams_from_checkpoint: whether blocks are packed from the checkpoint mapping per copy.
+    """
+
+    def __init__(self) -> None:
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._moved: list[SavedTensor] = []
+        self._streamed: list[_StreamedBlock] = []
+        self._originals: list[SavedTensor] = []
+        self._removed = False
+        self.mode: Mode = "rank_local"
+        self.world_size = 1
+        self.rank = 0
+        self.slot_nbytes = 0
+        self.resident_nbytes = 0
+        self.host_nbytes = 0
+        self.pinned = False
+        self._store: HostBlockStore | None = None
+        self._staged: StagedCheckpointBlocks | None = None
+        self._reader: object | None = None
+
+    @property
+    def host_block_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The packed host buffers, one per streamed block (this rank's shard in AllGather
+        mode); read-only use, e.g. to time a plain copy of the same bytes."""
+        return tuple(self._store.buffers) if self._store is not None else ()
+
+    @property
+    def streams_from_checkpoint(self) -> bool:
+        return self._staged is not None
+
+    # ----------------------------------------------------------------- enable
+    def _enable(
+        self,
+        model: nn.Module,
+        plan: OffloadPlan,
+        ops: DeviceOps,
+        group: dist.ProcessGroup | None,
+        use_allgather: bool,
+        pin_memory: bool,
+        host_weights: HostWeightPlan | None,
+        stream_from_checkpoint: bool,
+    ) -> None:
+        resolved = resolve_plan(model, plan)
+        if group is not None:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "torch.distributed is not initialized. Distributed layerwise offload with dp_size > 1 "
+                    "requires an initialized process group."
+                )
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if use_allgather and group is not None and resolved.resident_count > 0:
+            raise ValueError(RESIDENT_ALLGATHER_ERROR.format(n=plan.resident_blocks))
+        self.mode = "allgather" if use_allgather and self.world_size > 1 else "rank_local"
+        if use_allgather and group is not None and self.world_size == 1:
+            logger.info("Distributed layerwise offload: DLO group has one rank; streaming rank-local blocks")
+        if self.mode == "rank_local":
+            self.world_size, self.rank = 1, 0
+        self._ops, self._group = ops, group
+
+        streamed = resolved.streamed
+        tensors = [block_tensors(block) for _, block in streamed]
+        for (block_name, _), block_ts in zip(streamed, tensors):
+            for local, _, tensor in block_ts:
+                if type(tensor) not in (torch.Tensor, nn.Parameter):
+                    raise ValueError(
+                        f"{block_name}.{local} is a {type(tensor).__name__}; layerwise offload streams plain "
+                        "tensors only (for HSDP/DTensor parameters use the ordinary loader without sharding)"
+                    )
+        if host_weights is not None and host_weights.backing_kind != CHECKPOINT_MMAP:
+            raise ValueError(f"Unsupported DLO host-weight backing: {host_weights.backing_kind}")
+        if stream_from_checkpoint and host_weights is None:
+            raise ValueError(
+                "stream_from_checkpoint=True needs host_weights= from build_checkpoint_mmap_plan: blocks can "
+                "only be read at copy time from a preflighted checkpoint"
+            )
+        if stream_from_checkpoint and self.mode == "allgather":
+            raise ValueError(
+                "stream_from_checkpoint=True is rank-local only (in AllGather mode each rank keeps its 1/G "
+                "shard in host memory); pass use_allgather=False or drop stream_from_checkpoint"
+            )
+        layouts = [layout_of(ts) for ts in tensors]
+        if self.mode == "allgather":
+            self._check_layouts_agree(layouts)
+        reader = host_weights.open() if host_weights is not None else None
+        pin = pin_memory and ops.is_cuda
+        keep_reader_open = False
+        try:
+            if stream_from_checkpoint:
+                # Detached `.data` handles: the module's own tensors become placeholders below.
+                sources = [
+                    {n: t.data for n, t in self._sources(streamed[k], tensors[k], reader).items()}
+                    for k in range(len(streamed))
+                ]
+                self._staged = StagedCheckpointBlocks(layouts, sources, pin=pin, new_event=ops.new_event)
+                self._reader, keep_reader_open = reader, True
+                self.host_nbytes, self.pinned = self._staged.nbytes, self._staged.pinned
+            else:
+                self._store = HostBlockStore(
+                    layouts,
+                    lambda k: self._sources(streamed[k], tensors[k], reader),
+                    world_size=self.world_size if self.mode == "allgather" else 1,
+                    rank=self.rank if self.mode == "allgather" else 0,
+                    pin=pin,
+                )
+                self.host_nbytes, self.pinned = self._store.nbytes, self._store.pinned
+            # Everything above only read the model; from here on it is mutated and
+            # `_rollback` knows how to undo each step.
+            self._place_resident(resolved, ops.device, reader)
+        finally:
+            if reader is not None and not keep_reader_open:
+                reader.close()
+        self._build_slots(streamed, tensors, layouts)
+        self._transfer = ops.new_stream()
+        self._ready = (ops.new_event(), ops.new_event())
+        self._free = (ops.new_event(), ops.new_event())
+        for event in self._free:
+            event.record(ops.current_stream())
+        self._tenant: list[int | None] = [None, None]
+        self._last_slot = 1
+        for k, block in enumerate(self._streamed):
+            self._hooks.append(block.module.register_forward_pre_hook(self._make_pre_hook(k)))
+            self._hooks.append(block.module.register_forward_hook(self._make_post_hook(k), always_call=True))
+        if self._streamed:
+            self._fill(0, 0)
+        self._originals.clear()
+        ops.synchronize()
+
+    def _check_layouts_agree(self, layouts: list[BlockLayout]) -> None:
+        mine = torch.frombuffer(bytearray(layouts_digest(layouts)), dtype=torch.uint8).to(self._gather_device())
+        every = torch.empty(mine.numel() * self.world_size, dtype=torch.uint8, device=mine.device)
+        _all_gather_single(every, mine, group=self._group)
+        digests = every.view(self.world_size, -1).cpu()
+        if not all(torch.equal(digests[0], d) for d in digests):
+            raise RuntimeError(
+                "DLO ranks disagree on the streamed block layout (names, dtypes, shapes or strides differ); "
+                "every rank of the AllGather group must build the same model with the same OffloadPlan"
+            )
+
+    def _sources(
+        self, named: tuple[str, nn.Module], tensors: list[tuple[str, str, torch.Tensor]], reader: object | None
+    ) -> dict[str, torch.Tensor]:
+        block_name, block = named
+        persistent = _persistent_buffer_names(block)
+        out: dict[str, torch.Tensor] = {}
+        for local, kind, tensor in tensors:
+            planned = reader is not None and (kind == "parameter" or local in persistent)
+            if planned:
+                out[local] = reader.get(f"{block_name}.{local}")  # type: ignore[attr-defined]
+                if tuple(out[local].shape) != tuple(tensor.shape) or out[local].dtype != tensor.dtype:
+                    raise ValueError(
+                        f"host_weights binds {block_name}.{local} to a {out[local].dtype} tensor of shape "
+                        f"{tuple(out[local].shape)}, but the model has {tensor.dtype} {tuple(tensor.shape)}; "
+                        "rebuild the plan with build_checkpoint_mmap_plan for this model"
+                    )
+            elif tensor.is_meta:
+                raise ValueError(
+                    f"{block_name}.{local} is on the meta device and no host_weights plan provides it; "
+                    "load the weights first, or pass host_weights= from build_checkpoint_mmap_plan"
+                )
+            else:
+                out[local] = tensor
+        return out
+
+    def _place_resident(self, resolved: ResolvedPlan, device: torch.device, reader: object | None) -> None:
+        modules = [(name, block, reader) for name, block in resolved.resident]
+        modules += [(name, module, None) for name, module in resolved.resident_modules]
+        for prefix, module, source in modules:
+            persistent = _persistent_buffer_names(module)
+            for local, kind, tensor in block_tensors(module):
+                owner, attr = owner_of(module, local)
+                planned = source is not None and (kind == "parameter" or local in persistent)
+                value = source.get(f"{prefix}.{local}") if planned else tensor  # type: ignore[attr-defined]
+                if value.is_meta:
+                    raise ValueError(f"resident tensor {prefix}.{local} is on the meta device; load it first")
+                self._moved.append(SavedTensor(owner, attr, kind, from_checkpoint=planned))
+                if planned:
+                    # The runtime tensor's layout wins (as for streamed blocks), and the copy
+                    # keeps the model from aliasing the checkpoint file.
+                    value = torch.empty_strided(
+                        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
+                    ).copy_(value)
+                set_tensor(owner, attr, kind, value.to(device))
+                self.resident_nbytes += value.numel() * value.element_size()
+
+    def _build_slots(
+        self,
+        streamed: tuple[tuple[str, nn.Module], ...],
+        tensors: list[list[tuple[str, str, torch.Tensor]]],
+        layouts: list[BlockLayout],
+    ) -> None:
+        device = self._ops.device
+        world = self.world_size if self.mode == "allgather" else 1
+        self.slot_nbytes = max((layout.shard_nbytes(world) * world for layout in layouts), default=0)
+        self._slots = tuple(torch.zeros(self.slot_nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+        empty = {}
+        for (name, block), block_ts, layout in zip(streamed, tensors, layouts):
+            by_name = {local: (kind, tensor) for local, kind, tensor in block_ts}
+            targets, placeholders = [], []
+            for entry in layout.entries:
+                owner, attr = owner_of(block, entry.name)
+                targets.append((owner, attr, entry))
+                if entry.dtype not in empty:
+                    empty[entry.dtype] = torch.empty(0, dtype=entry.dtype, device=device)
+                placeholders.append(empty[entry.dtype])
+            views = tuple([entry.view_in(slot) for entry in layout.entries] for slot in self._slots)
+            requires_grad = any(t.requires_grad for _, t in by_name.values())
+            self._streamed.append(_StreamedBlock(name, block, targets, views, placeholders, requires_grad))
+            for owner, attr, entry in targets:
+                self._originals.append(SavedTensor(owner, attr, entry.kind))
+                set_tensor(owner, attr, entry.kind, empty[entry.dtype])
+
+    # ------------------------------------------------------------- hot path
+    def _gather_device(self) -> torch.device:
+        backend = dist.get_backend(self._group)
+        return self._ops.device if backend != "gloo" else torch.device("cpu")
+
+    def _fill(self, k: int, slot: int) -> None:
+        """Enqueue the copy (and gather) of streamed block k into `slot`.
+
+        Never blocks the host, except when streaming from the checkpoint, where the
+        staging buffer's previous copy must have finished before it is repacked.
+        """
+        if self._staged is not None:
+            source = self._staged.stage(k, slot)
+        else:
+            source = self._store.buffers[k]  # type: ignore[union-attr]
+        shard = source.numel()
+        self._transfer.wait_event(self._free[slot])
+        with self._ops.on_stream(self._transfer):
+            target = self._slots[slot]
+            if self.mode == "allgather":
+                mine = target[self.rank * shard : (self.rank + 1) * shard]
+                mine.copy_(source, non_blocking=self.pinned)
+                _all_gather_single(target[: shard * self.world_size], mine, group=self._group)
+            else:
+                target[:shard].copy_(source, non_blocking=self.pinned)
+            if self._staged is not None:
+                self._staged.done[slot].record(self._transfer)
+            self._ready[slot].record(self._transfer)
+        self._tenant[slot] = k
+
+    def _make_pre_hook(self, k: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: object) -> None:
+            block = self._streamed[k]
+            if block.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"layerwise offload is inference-only but {block.name} ran with gradients enabled; "
+                    "wrap the call in torch.inference_mode() (or torch.no_grad()), or call "
+                    "model.requires_grad_(False) before enabling the offload"
+                )
+            if self._tenant[0] == k:
+                slot = 0
+            elif self._tenant[1] == k:
+                slot = 1
+            else:  # out-of-order call: load it now, keeping the slot the previous block used intact
+                slot = 1 - self._last_slot
+                self._fill(k, slot)
+            self._ops.current_stream().wait_event(self._ready[slot])
+            for (owner, attr, entry), view in zip(block.targets, block.slot_views[slot]):
+                set_tensor(owner, attr, entry.kind, view)
+            self._last_slot = block.active_slot = slot
+            following = (k + 1) % len(self._streamed)
+            if following != k and self._tenant[1 - slot] != following:
+                self._fill(following, 1 - slot)
+
+        return pre_hook
+
+    def _make_post_hook(self, k: int) -> Callable[..., None]:
+        def post_hook(module: nn.Module, args: object, output: object) -> None:
+            block = self._streamed[k]
+            for (owner, attr, entry), placeholder in zip(block.targets, block.placeholders):
+                set_tensor(owner, attr, entry.kind, placeholder)
+            self._free[block.active_slot].record(self._ops.current_stream())
+
+        return post_hook
+
+    # --------------------------------------------------------------- remove
+    def remove(self) -> None:
+        """Put the weights back: streamed blocks on the host (CPU), resident blocks and
+        modules on their original device (host too when they came from the checkpoint).
+
+        In AllGather mode this gathers each block once more, so every rank of the
+        group must call it, like any collective. Calling it twice is a no-op.
+        """
+        if self._removed:
+            return
+        self._removed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._ops.synchronize()
+        for k, block in enumerate(self._streamed):
+            slot = 0
+            if self._tenant[0] != k:
+                self._fill(k, slot)
+            self._ops.synchronize()
+            for (owner, attr, entry), view in zip(block.targets, block.slot_views[slot]):
+                host = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="cpu")
+                set_tensor(owner, attr, entry.kind, host.copy_(view))
+            self._free[slot].record(self._ops.current_stream())
+        for saved in self._moved:
+            if saved.from_checkpoint:  # it was never loaded before; bring it to the host like a streamed block
+                saved.to_host()
+        self._moved = [saved for saved in self._moved if not saved.from_checkpoint]
+        self._restore_moved()
+        self._streamed.clear()
+        self._slots = ()
+        self._store = self._staged = None
+        self._close_reader()
+        self._ops.empty_cache()
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()  # type: ignore[attr-defined]
+            self._reader = None
+
+    def _restore_moved(self) -> None:
+        for saved in reversed(self._moved):
+            saved.restore()
+        self._moved.clear()
+
+    def _rollback(self) -> None:
+        """Undo a partial enable (exceptions inside it), restoring the original tensors."""
+        self._removed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for saved in reversed(self._originals):
+            saved.restore()
+        self._originals.clear()
+        self._restore_moved()
+        self._streamed.clear()
+        self._close_reader()
+
+
+def _persistent_buffer_names(module: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for prefix, sub in module.named_modules():
+        for name in sub._buffers:
+            if name not in sub._non_persistent_buffers_set:
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def enable_layerwise_offload(
+    model: nn.Module,
+    plan: OffloadPlan,
+    *,
+    device: torch.device | str | int,
+    pin_memory: bool = True,
+    group: dist.ProcessGroup | None = None,
+    use_allgather: bool = True,
+    host_weights: HostWeightPlan | None = None,
+    stream_from_checkpoint: bool = False,
+) -> LayerwiseOffload:
+    """Stream `plan`'s blocks from the host into two device slots while the model runs.
+
+    Args:
+        model: the model; its module classes and forward are not changed.
+        plan: which blocks stream, which leading blocks and modules stay resident.
+        device: the compute device (``"cuda"``, ``"cuda:N"`` or ``"cpu"``; on CPU
+            streams and events are no-ops and the same packing/paging path runs).
+        pin_memory: pin host copies (CUDA only); a refused pin warns and falls back.
+        group: the DLO process group (DP group, else SP group; never TP). With more
+            than one rank and `use_allgather`, each rank keeps 1/G of every block.
+        use_allgather: shard across `group` and rebuild by all-gather; False streams
+            whole blocks from each rank's own host copy (required for resident blocks).
+        host_weights: a plan from `build_checkpoint_mmap_plan`; block tensors are then
+            read from the safetensors files (the module's block tensors may be meta).
+        stream_from_checkpoint: rank-local mode with `host_weights` only: keep no
+            private host copy; pack each block from the checkpoint's (page-cache
+            shared) mapping into one of two pinned staging buffers just before its
+            copy. Saves host memory when several ranks share a node, at the cost of a
+            host memcpy per block per forward.
+
+    The enable is all-or-nothing: on any error the model is left as it was.
+    """
+    ops = DeviceOps(device)
+    handle = LayerwiseOffload()
+    try:
+        handle._enable(model, plan, ops, group, use_allgather, pin_memory, host_weights, stream_from_checkpoint)
+    except BaseException:
+        try:
+            handle._rollback()
+        except Exception:
+            logger.exception("DLO cleanup failed while handling an enable failure")
+        raise
+    logger.info(
+        "layerwise offload enabled (%s, %d streamed blocks, slot %.1f MiB x2, host %.1f MiB%s)",
+        handle.mode, len(handle._streamed), handle.slot_nbytes / 2**20, handle.host_nbytes / 2**20,
+        ", pinned" if handle.pinned else "",
+    )
+    return handle
