@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device-tool call that checks and times everything GPU-side, writing under $OUT.
+#   bash benchmarks/gpu_session.sh [STEP ...]    (default: every step)
+# Each step has its own time limit so one hang cannot eat the call; logs and JSON land in $OUT/gpu/, packed at
+# the end into $OUT/gpu_results.tar.gz (the device tool returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=packages/diffusion-kv/src:packages/dlo-offload/src:packages/fp8-cache/src:packages/cfg-pairing/src:packages/models/src:packages/server/src
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/gpu_out}
+R=$OUT/gpu
+mkdir -p "$R"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s) ==="
+  timeout --signal=KILL "$limit" "$@" >"$R/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$R/summary.txt"
+  tail -n 40 "$R/$name.log"
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
+git rev-parse HEAD >"$R/commit.txt" 2>/dev/null || true
+for s in "${steps[@]}"; do
+  case $s in
+    env) step env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"' ;;
+    tests_kv) step tests_kv 150 python3 -m pytest tests/diffusion_kv -q -x -p no:cacheprovider ;;
+    tests_other) step tests_other 150 python3 -m pytest tests/fp8_cache tests/dlo_offload -q -p no:cacheprovider ;;
+    paged_attention) step paged_attention 150 python3 benchmarks/paged_attention.py --out "$R" ;;
+    fp8_cache) step fp8_cache 150 python3 benchmarks/fp8_cache.py --out "$R" ;;
+    dlo_offload) step dlo_offload 120 python3 benchmarks/dlo_offload.py --out "$R" ;;
+    prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" gpu
+cp "$R/summary.txt" "$OUT/summary.txt"
