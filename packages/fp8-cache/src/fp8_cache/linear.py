@@ -1,0 +1,263 @@
+"""``FP8Linear`` and ``quantize_model``: swap eligible ``nn.Linear`` layers for per-tensor FP8 ones.
+
+On a CUDA device with FP8 tensor cores (compute capability 8.9+, e.g. L4/H100/H200) the forward pass
+quantizes the activation dynamically (one per-tensor scale per call) and runs ``torch._scaled_mm``.
+Everywhere else it dequantizes the weight and runs an ordinary matmul, so results agree within FP8 error.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8_cache.quant import FP8_DTYPE, dequantize, per_tensor_scale, quantize_with_scale, require_finite_scales
+
+logger = logging.getLogger(__name__)
+
+# torch._scaled_mm needs both GEMM dimensions of the weight to be multiples of 16.
+SCALED_MM_ALIGNMENT = 16
+_SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_supports_fp8_gemm(device_index: int) -> bool:
+    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """True when ``torch._scaled_mm`` can run per-tensor FP8 GEMMs on ``device``."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_supports_fp8_gemm(index)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_quantizer():
+    try:
+        from fp8_cache._triton_quant import quantize_activation_triton
+    except ImportError:  # a CUDA torch without Triton: fall back to the (slower) torch expression
+        logger.warning("Triton is not importable; FP8Linear quantizes activations with plain torch ops")
+        return None
+    return quantize_activation_triton
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-tensor FP8 quantization of an activation: ``(contiguous x_fp8, float32 0-dim scale)``.
+
+    On CUDA this is two Triton passes with no host synchronisation; elsewhere the exact torch expression.
+    """
+    x = x.contiguous()
+    kernel = _triton_quantizer() if x.is_cuda else None
+    if kernel is not None:
+        return kernel(x)
+    scale = per_tensor_scale(x)
+    return quantize_with_scale(x, scale), scale
+
+
+def unsupported_shape_reason(in_features: int, out_features: int) -> str | None:
+    """Why a weight of this shape cannot run through the FP8 GEMM, or None if it can."""
+    for label, size in (("in_features", in_features), ("out_features", out_features)):
+        if size % SCALED_MM_ALIGNMENT:
+            return f"{label}={size} is not a multiple of {SCALED_MM_ALIGNMENT} (torch._scaled_mm requirement)"
+    return None
+
+
+class FP8Linear(nn.Module):
+    """A linear layer holding a per-tensor ``float8_e4m3fn`` weight ``[out, in]`` and a float32 scale.
+
+    State dict: ``weight`` (fp8, row-major ``[out_features, in_features]``), ``weight_scale`` (float32,
+    0-dim) and optionally ``bias`` (kept in high precision). A fused projection (several logical output
+    widths in one weight, ``logical_widths``) shares the single scale; no per-shard requantization happens.
+    Parameters never require grad: this is an inference module.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+        logical_widths: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        reason = unsupported_shape_reason(in_features, out_features)
+        if reason is not None:
+            raise ValueError(f"FP8Linear cannot hold this weight: {reason}; keep this layer as nn.Linear")
+        if logical_widths is not None and sum(logical_widths) != out_features:
+            raise ValueError(f"logical_widths {list(logical_widths)} must sum to out_features={out_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.logical_widths = tuple(logical_widths) if logical_widths is not None else (out_features,)
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(torch.ones((), dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, scale: torch.Tensor | None = None, name: str = "linear") -> FP8Linear:
+        """Quantize ``linear``'s weight on its current device.
+
+        ``scale`` may be precomputed with ``per_tensor_scale`` (and checked by the caller); otherwise it is
+        computed here and a NaN/inf weight raises ``NonFiniteWeightError``.
+        """
+        bias = linear.bias
+        module = cls(
+            linear.in_features, linear.out_features, bias is not None, device="meta",
+            bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
+            logical_widths=getattr(linear, "logical_widths", None),
+        )
+        weight = linear.weight.detach()
+        if scale is None:
+            scale = per_tensor_scale(weight)
+            require_finite_scales({name: scale})
+        module.weight = nn.Parameter(quantize_with_scale(weight, scale), requires_grad=False)
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if bias is not None:
+            module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return module
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expected last dim {self.in_features}, got input of shape {tuple(x.shape)}")
+        if scaled_mm_available(x.device) and x.dtype in _SCALED_MM_OUT_DTYPES:
+            return self._forward_scaled_mm(x)
+        weight = dequantize(self.weight, self.weight_scale, x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, weight, bias)
+
+    def _forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            return x.new_empty(*leading, self.out_features)
+        x_fp8, x_scale = quantize_activation(x2d)
+        out_dtype = x.dtype
+        # _scaled_mm fuses the bias only for half-precision outputs with a bias of the same dtype.
+        fuse_bias = self.bias is not None and out_dtype != torch.float32 and self.bias.dtype == out_dtype
+        out = torch._scaled_mm(
+            x_fp8,
+            self.weight.t(),  # column-major view of the row-major [out, in] weight, as _scaled_mm requires
+            scale_a=x_scale,
+            scale_b=self.weight_scale,
+            bias=self.bias if fuse_bias else None,
+            out_dtype=out_dtype,
+        )
+        if self.bias is not None and not fuse_bias:
+            out = out + self.bias.to(out_dtype)
+        return out.reshape(*leading, self.out_features)
+
+
+@dataclass
+class QuantizationReport:
+    """What ``quantize_model`` did: swapped module names, and kept modules with the reason."""
+
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def quantized_weight_names(self) -> list[str]:
+        """State-dict names of the FP8 weights (what an FP8 cache must hold quantized)."""
+        return [f"{name}.weight" for name in self.quantized]
+
+
+def _ignored(name: str, patterns: Sequence[str]) -> str | None:
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(name, pattern):
+            return pattern
+    return None
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def quantize_model(model: nn.Module, *, ignore: Sequence[str] = ()) -> QuantizationReport:
+    """Swap every eligible ``nn.Linear`` of ``model`` for an :class:`FP8Linear`, in place.
+
+    A linear is kept in high precision (and logged with the reason) when its fully qualified name matches an
+    ``ignore`` pattern (``fnmatch``), its shape cannot run through ``torch._scaled_mm``, or its weight is not
+    materialized (meta device). Weights are quantized on the device they live on. Raises
+    ``NonFiniteWeightError`` (before changing anything) if an eligible weight holds NaN or infinity.
+    """
+    if isinstance(ignore, str):
+        raise TypeError("ignore must be a sequence of fnmatch patterns, not a single string; wrap it in a list")
+    report = QuantizationReport()
+    candidates: list[tuple[str, nn.Linear]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        pattern = _ignored(name, ignore)
+        if pattern is not None:
+            report.skipped[name] = f"matches ignore pattern {pattern!r}"
+        elif (reason := unsupported_shape_reason(module.in_features, module.out_features)) is not None:
+            report.skipped[name] = reason
+        elif module.weight.device.type == "meta":
+            report.skipped[name] = "weight is on the meta device; load weights before quantizing"
+        elif not module.weight.is_floating_point():
+            report.skipped[name] = f"weight dtype {module.weight.dtype} is not floating point"
+        else:
+            candidates.append((name, module))
+    scales = {name: per_tensor_scale(module.weight.detach()) for name, module in candidates}
+    require_finite_scales(scales)
+    for name, module in candidates:
+        _set_submodule(model, name, FP8Linear.from_linear(module, scale=scales[name], name=name))
+        report.quantized.append(name)
+    for name, reason in report.skipped.items():
+        logger.info("keeping %s in high precision: %s", name, reason)
+    return report
+
+
+
+def load_fp8_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> QuantizationReport:
+    """Install an FP8 runtime state dict (e.g. a cache hit) into ``model`` without quantizing anything.
+
+    Every ``nn.Linear`` whose ``<name>.weight`` in ``state_dict`` is FP8 (with ``<name>.weight_scale``) becomes
+    an :class:`FP8Linear`; then the whole state dict is assigned (``strict``, tensors used as given, so a model
+    built on the meta device is materialized directly on the tensors' device). Raises ``ValueError`` naming
+    the layer, before changing the model, if an FP8 weight has no scale or does not fit its layer.
+    """
+    report = QuantizationReport()
+    swaps: list[tuple[str, FP8Linear]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, FP8Linear):
+            continue
+        weight = state_dict.get(f"{name}.weight")
+        if weight is None or weight.dtype != FP8_DTYPE:
+            report.skipped[name] = "state dict holds a high-precision weight"
+            continue
+        if f"{name}.weight_scale" not in state_dict:
+            raise ValueError(f"FP8 weight {name}.weight has no {name}.weight_scale in the state dict")
+        if tuple(weight.shape) != (module.out_features, module.in_features):
+            raise ValueError(
+                f"FP8 weight {name}.weight has shape {tuple(weight.shape)}, layer expects "
+                f"({module.out_features}, {module.in_features})"
+            )
+        bias = module.bias
+        swaps.append((name, FP8Linear(module.in_features, module.out_features, bias is not None, device="meta",
+                                      bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
+                                      logical_widths=getattr(module, "logical_widths", None))))
+    for name, fp8 in swaps:
+        _set_submodule(model, name, fp8)
+        report.quantized.append(name)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    return report

@@ -1,0 +1,165 @@
+"""Per-tensor FP8 math, FP8Linear parity against a float64 reference, and quantize_model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from fp8_cache import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    FP8Linear,
+    NonFiniteWeightError,
+    dequantize,
+    per_tensor_scale,
+    quantize_model,
+    quantize_per_tensor,
+)
+
+# float8_e4m3fn has 3 mantissa bits: round-to-nearest relative error <= 2^-4 for normal values.
+FP8_REL_STEP = 2.0**-4
+
+
+def test_scale_is_amax_over_fp8_max_and_extremes_map_to_fp8_max():
+    w = torch.tensor([[0.5, -3.0], [1.25, 2.0]], dtype=torch.bfloat16)
+    q, scale = quantize_per_tensor(w)
+    assert scale.dtype == torch.float32 and scale.dim() == 0
+    assert torch.equal(scale, torch.tensor(3.0, dtype=torch.float32) / FP8_MAX)
+    assert q.dtype == FP8_DTYPE
+    assert q.float()[0, 1].item() == -FP8_MAX
+
+
+def test_all_zero_tensor_gets_the_minimum_scale_and_round_trips_to_zero():
+    q, scale = quantize_per_tensor(torch.zeros(16, 16))
+    assert scale.item() == pytest.approx(MIN_SCALE)
+    assert torch.count_nonzero(dequantize(q, scale)) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_rejected_with_the_tensor_name(bad):
+    w = torch.ones(4, 4)
+    w[1, 2] = bad
+    with pytest.raises(NonFiniteWeightError, match="blocks.0.proj"):
+        quantize_per_tensor(w, name="blocks.0.proj")
+
+
+def test_integer_tensor_is_rejected():
+    with pytest.raises(TypeError, match="floating-point"):
+        per_tensor_scale(torch.ones(4, dtype=torch.int32))
+
+
+def test_dequantized_weight_is_within_one_fp8_rounding_step():
+    torch.manual_seed(0)
+    w = torch.randn(64, 48, dtype=torch.float64)
+    q, scale = quantize_per_tensor(w.to(torch.bfloat16))
+    w_bf16 = w.to(torch.bfloat16).double()
+    err = (dequantize(q, scale, torch.float64) - w_bf16).abs()
+    # Normal range: relative rounding; subnormal range (|w|/scale < 2^-6): absolute step of 2^-9 * scale.
+    bound = torch.maximum(w_bf16.abs() * FP8_REL_STEP, torch.full_like(w_bf16, 2.0**-10 * scale.item()))
+    assert bool((err <= bound * 1.0001).all())
+
+
+def test_quantization_is_deterministic_bytewise():
+    w = torch.randn(128, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    (q1, s1), (q2, s2) = quantize_per_tensor(w), quantize_per_tensor(w.clone())
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_matches_float64_reference_within_fp8_error(bias, dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=bias)
+    x = torch.randn(5, 7, 64)
+    fp8 = FP8Linear.from_linear(linear)
+    out = fp8(x.to(dtype))
+    assert out.shape == (5, 7, 32) and out.dtype == dtype
+
+    ref = x.double() @ linear.weight.double().t()
+    if bias:
+        ref = ref + linear.bias.double()
+    # Each product carries at most one FP8 rounding of the weight (activations stay exact on the CPU path).
+    bound = (x.double().abs() @ linear.weight.double().abs().t()) * FP8_REL_STEP + 1e-6
+    if dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8 + (x.double().abs() @ linear.weight.double().abs().t()) * 2.0**-8
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    # And the error is genuinely FP8-sized, not zero: the weight really is quantized.
+    assert not torch.equal(out.double(), ref)
+
+
+def test_fp8_linear_rejects_unaligned_shapes_and_wrong_inputs():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        FP8Linear(24, 32)
+    with pytest.raises(ValueError, match="logical_widths"):
+        FP8Linear(32, 32, logical_widths=[16, 8])
+    layer = FP8Linear(32, 16)
+    with pytest.raises(ValueError, match="last dim 32"):
+        layer(torch.randn(2, 31))
+
+
+def test_fp8_linear_state_dict_layout():
+    layer = FP8Linear.from_linear(nn.Linear(32, 48))
+    sd = layer.state_dict()
+    assert set(sd) == {"weight", "weight_scale", "bias"}
+    assert sd["weight"].dtype == FP8_DTYPE and sd["weight"].shape == (48, 32)
+    assert sd["weight_scale"].dtype == torch.float32 and sd["weight_scale"].dim() == 0
+    assert not any(p.requires_grad for p in layer.parameters())
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.qkv.logical_widths = [32, 32, 32]
+        self.proj = nn.Linear(32, 32)
+        self.odd = nn.Linear(32, 20)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(32, 16)
+
+
+def test_quantize_model_swaps_eligible_linears_and_logs_the_rest(caplog):
+    torch.manual_seed(0)
+    model = _Model()
+    x = torch.randn(3, 32)
+    before = model.blocks[0].qkv(x)
+    with caplog.at_level(logging.INFO, logger="fp8_cache.linear"):
+        report = quantize_model(model, ignore=["head", "blocks.1.*"])
+    assert report.quantized == ["blocks.0.qkv", "blocks.0.proj"]
+    assert report.quantized_weight_names == ["blocks.0.qkv.weight", "blocks.0.proj.weight"]
+    assert set(report.skipped) == {"blocks.0.odd", "blocks.1.qkv", "blocks.1.proj", "blocks.1.odd", "head"}
+    assert "multiple of 16" in report.skipped["blocks.0.odd"]
+    assert "ignore pattern 'blocks.1.*'" in report.skipped["blocks.1.qkv"]
+    assert "blocks.0.odd" in caplog.text and "multiple of 16" in caplog.text
+    assert isinstance(model.blocks[0].qkv, FP8Linear) and type(model.blocks[1].qkv) is nn.Linear
+    # A fused projection keeps its logical widths and one scale for all of them.
+    fused = model.blocks[0].qkv
+    assert fused.logical_widths == (32, 32, 32) and fused.weight_scale.numel() == 1
+    assert torch.allclose(fused(x), before, rtol=0.1, atol=0.05)
+
+
+def test_quantize_model_with_non_finite_weight_changes_nothing():
+    model = _Model()
+    with torch.no_grad():
+        model.blocks[1].proj.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeightError, match="blocks.1.proj"):
+        quantize_model(model)
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def test_quantize_model_skips_meta_weights_and_rejects_a_bare_string():
+    with torch.device("meta"):
+        model = _Model()
+    report = quantize_model(model)
+    assert report.quantized == [] and "meta device" in report.skipped["blocks.0.qkv"]
+    with pytest.raises(TypeError, match="sequence of fnmatch patterns"):
+        quantize_model(_Model(), ignore="head")
