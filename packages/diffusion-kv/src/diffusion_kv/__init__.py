@@ -1,0 +1,44 @@
+"""Paged KV cache for diffusion transformers: atomic CFG reservation over vLLM's KVCacheManager, shared contexts, scheduler admission, worker block tables and paged non-causal attention."""
+
+__version__ = "0.1.0"
+
+# --- control plane (requests, metadata, manager, scheduler) ---
+from diffusion_kv.allocator import BlockAllocator, BlockPoolConfig, BuiltinBlockPool
+from diffusion_kv.config import (
+    DiffusionKVCacheMode,
+    DiffusionKVConfig,
+    is_scheduler_paged_kv_mode,
+    parse_diffusion_kv_cache_mode,
+    worker_row_pool_size,
+)
+from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
+from diffusion_kv.manager import DiffusionKVCacheManager
+from diffusion_kv.metadata import (
+    DiffusionKVContextMetadata,
+    DiffusionKVMetadata,
+    DiffusionKVSequenceMetadata,
+)
+from diffusion_kv.request import (
+    DiffusionKVContext,
+    DiffusionKVRequest,
+    RequestStatus,
+    context_request_id,
+    sequence_request_id,
+)
+from diffusion_kv.scheduler import (
+    DiffusionKVScheduler,
+    NewRequestData,
+    RequestState,
+    SchedulerOutput,
+    validate_new_request_data_identity,
+)
+# --- end control plane ---
+
+# --- data plane (attention opt-in, specs, sizing, row table, batches, paged K/V ops) ---
+from diffusion_kv.batch import BatchRow, PreparedBatch, prepare_batch
+from diffusion_kv.cache import allocate_kv_caches
+from diffusion_kv.ops import paged_attention, write_kv_cache
+from diffusion_kv.sizing import KVCacheConfigs, build_kv_cache_configs, determine_available_kv_memory
+from diffusion_kv.specs import AttentionCacheSpec, KVCacheOptIn, discover_kv_cache_specs
+from diffusion_kv.worker import RowIdentity, WorkerRowTable
+# --- end data plane ---

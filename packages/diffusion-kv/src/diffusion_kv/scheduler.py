@@ -1,0 +1,412 @@
+"""Admission and lifecycle of public requests over a ``DiffusionKVCacheManager``.
+
+An engine drives it in a loop::
+
+    scheduler.add_request(request)            # request.diffusion_kv_requests moves in here
+    output = scheduler.schedule()             # workers: retire output.finished_row_targets,
+                                              # then install new/cached metadata, then run
+    finished = scheduler.update_from_output(output, completed=done_ids)
+    state = scheduler.pop_request_state(id)   # read .status/.error; frees the id for reuse
+
+Admission rules:
+
+- FIFO, head of the queue only: the head is admitted or the pass stops.
+- Capacity is backpressure: when the head's reservation returns ``None`` it
+  stays at the head (owning nothing) and is retried on a later pass.
+- A request-caused failure (``DiffusionKVAdmissionError``, e.g. a request that
+  can never fit the empty pool) finishes *that* request with
+  ``FINISHED_ERROR`` and its message, and admission continues with the next
+  waiter in the same pass.
+- Anything else raised while reserving is an invariant failure: the scheduler
+  marks itself dead and raises ``DiffusionKVInvariantError`` (engine-fatal);
+  it is never reported as one request's error.
+- Preemption keeps the reservation and the Worker rows and puts the request
+  back at the *head* of the queue, so it resumes ahead of every new request.
+
+Worker-row safety (why there is no aggregate row gate): the Worker row pool
+has ``max_num_seqs * max_rows_per_request`` rows and rows are held only by
+running and preempted requests. Because preempted requests re-enter at the
+head and admission never skips the head, running + preempted requests never
+exceed ``max_num_seqs``, so their rows always fit. ``schedule()`` asserts this
+(``DiffusionKVInvariantError``) instead of trusting it: any future queue
+reordering that breaks FIFO fails loudly here rather than as a Worker
+"only 0 rows are free" error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Protocol
+
+from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
+from diffusion_kv.manager import DiffusionKVCacheManager
+from diffusion_kv.metadata import DiffusionKVMetadata
+from diffusion_kv.request import DiffusionKVRequest, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulableRequest(Protocol):
+    """What ``add_request`` reads from an engine request.
+
+    ``diffusion_kv_requests`` is moved into scheduler state and set to
+    ``None`` on the request: ``DiffusionKVRequest`` objects are Scheduler-only
+    mutable state and must never travel to a Worker.
+    """
+
+    request_id: str
+    diffusion_kv_requests: Sequence[DiffusionKVRequest] | None
+
+
+@dataclass
+class RequestState:
+    """Scheduler-side state of one public request."""
+
+    request_id: str
+    request: Any
+    kv_requests: tuple[DiffusionKVRequest, ...]
+    status: RequestStatus = RequestStatus.WAITING
+    error: str | None = None
+    allocation_generation: int | None = None
+    kv_loading: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Envelope that carries a request and its KV metadata to Workers, bound together."""
+
+    request_id: str
+    req: Any
+    diffusion_kv_metadata: DiffusionKVMetadata
+
+    @classmethod
+    def from_state(cls, state: RequestState, *, diffusion_kv_metadata: DiffusionKVMetadata) -> NewRequestData:
+        envelope = cls(state.request_id, state.request, diffusion_kv_metadata)
+        validate_new_request_data_identity(envelope)
+        return envelope
+
+
+def validate_new_request_data_identity(envelope: NewRequestData) -> None:
+    """Raise ``ValueError`` unless the envelope, its request and its metadata name one id."""
+    req_id = getattr(envelope.req, "request_id", envelope.request_id)
+    metadata_id = envelope.diffusion_kv_metadata.request_id
+    if not (envelope.request_id == req_id == metadata_id):
+        raise ValueError(
+            "Diffusion KV request identity mismatch: "
+            f"envelope={envelope.request_id!r}, request={req_id!r}, metadata={metadata_id!r}"
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    """One scheduling decision.
+
+    Workers must retire ``finished_row_targets`` BEFORE installing any new
+    metadata of the same output: a release and the admission it enabled can
+    arrive together.
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    # Running requests and resumed (preempted) ones: metadata unchanged, rows already installed.
+    scheduled_cached_reqs: list[NewRequestData] = field(default_factory=list)
+    # Ids finished since the previous output (released, aborted, failed admission).
+    finished_req_ids: set[str] = field(default_factory=set)
+    # (request_id, allocation_generation) whose Worker rows must be retired; a
+    # generation-matched removal can never touch a reused id's new rows.
+    finished_row_targets: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs)
+
+
+class DiffusionKVScheduler:
+    """FIFO admission and request lifecycle with atomic KV reservations.
+
+    ``max_num_seqs`` public requests run at once; the Worker row pool this
+    scheduler guarantees never to exceed is ``max_num_seqs *
+    manager.max_rows_per_request`` rows (``worker_row_pool_size``).
+    """
+
+    def __init__(self, manager: DiffusionKVCacheManager, *, max_num_seqs: int = 1) -> None:
+        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.manager = manager
+        self.max_num_running_reqs = max_num_seqs
+        self.worker_row_pool_size = max_num_seqs * manager.max_rows_per_request
+        self._states: dict[str, RequestState] = {}
+        self.waiting: deque[str] = deque()
+        self.running: list[str] = []
+        # Finished while their KV receive was loading: pages held until released.
+        self._draining: dict[str, RequestState] = {}
+        # Finished since the last schedule(): go out in the next output.
+        self._finished_for_workers: dict[str, int | None] = {}
+        # Finished and not yet returned by update_from_output.
+        self._finished_unreported: set[str] = set()
+        self.fatal_error: BaseException | None = None
+
+    # -- intake --------------------------------------------------------------------
+
+    def add_request(self, request: SchedulableRequest) -> None:
+        """Queue a request at the tail; its KV requests move into scheduler state."""
+        self._check_alive()
+        request_id = request.request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._states or request_id in self._draining:
+            raise ValueError(f"request_id {request_id!r} is already active.")
+        kv_requests = request.diffusion_kv_requests
+        if not kv_requests:
+            raise ValueError("paged_scheduler request preprocessing did not produce DiffusionKVRequest state")
+        kv_requests = tuple(kv_requests)
+        if not all(isinstance(kv_request, DiffusionKVRequest) for kv_request in kv_requests):
+            raise TypeError("diffusion_kv_requests must contain only DiffusionKVRequest values")
+        request.diffusion_kv_requests = None
+        self._states[request_id] = RequestState(request_id, request, kv_requests)
+        self.waiting.append(request_id)
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Emit running requests, then admit waiting ones from the head of the queue."""
+        self._check_alive()
+        output = SchedulerOutput()
+        for request_id in self.running:
+            state = self._states[request_id]
+            output.scheduled_cached_reqs.append(
+                NewRequestData.from_state(state, diffusion_kv_metadata=self.manager.get_metadata(request_id))
+            )
+        while self.waiting and len(self.running) < self.max_num_running_reqs:
+            request_id = self.waiting[0]
+            state = self._states[request_id]
+            resumed = state.status == RequestStatus.PREEMPTED
+            if state.kv_loading:
+                break  # its KV is still arriving: it cannot run yet, and nothing may pass it
+            if self.manager.has_request(request_id):
+                metadata = self.manager.get_metadata(request_id)
+            else:
+                try:
+                    metadata = self.manager.reserve_request(request_id, state.kv_requests)
+                except DiffusionKVAdmissionError as exc:
+                    self.waiting.popleft()
+                    self._finish(state, RequestStatus.FINISHED_ERROR, error=str(exc))
+                    continue
+                except Exception as exc:
+                    self._die(exc, f"reserving KV for request {request_id!r}")
+                if metadata is None:
+                    break  # capacity: the head waits, owning nothing
+            self.waiting.popleft()
+            state.status = RequestStatus.RUNNING
+            state.allocation_generation = metadata.allocation_generation
+            self.running.append(request_id)
+            envelope = NewRequestData.from_state(state, diffusion_kv_metadata=metadata)
+            (output.scheduled_cached_reqs if resumed else output.scheduled_new_reqs).append(envelope)
+
+        self._assert_installed_rows_fit()
+        output.finished_req_ids = set(self._finished_for_workers)
+        output.finished_row_targets = [
+            (request_id, generation)
+            for request_id, generation in self._finished_for_workers.items()
+            if generation is not None
+        ]
+        self._finished_for_workers = {}
+        return output
+
+    def _assert_installed_rows_fit(self) -> None:
+        installed = [
+            request_id
+            for request_id, state in self._states.items()
+            if state.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+        ]
+        rows = sum(self.manager.get_metadata(request_id).num_rows for request_id in installed)
+        if rows > self.worker_row_pool_size:
+            self._die(
+                DiffusionKVInvariantError(
+                    f"installed Worker rows ({rows}, running + preempted requests {sorted(installed)}) exceed the "
+                    f"row pool of {self.worker_row_pool_size}; admission must stay FIFO with preempted requests "
+                    "at the head of the queue"
+                ),
+                "checking the Worker row pool",
+            )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, completed: Iterable[str] = ()) -> set[str]:
+        """Finish ``completed`` requests (``FINISHED_STOPPED``) and return every finished, unreported id.
+
+        The result covers admission failures of the ``schedule()`` that built
+        ``output``, requests aborted since, and ``completed``.
+        """
+        self._check_alive()
+        scheduled = {envelope.request_id for envelope in output.scheduled_new_reqs}
+        scheduled.update(envelope.request_id for envelope in output.scheduled_cached_reqs)
+        completed = tuple(completed)
+        unscheduled = [request_id for request_id in completed if request_id not in scheduled]
+        if unscheduled:
+            raise ValueError(f"completed requests {unscheduled} were not scheduled in this output")
+        self.finish_requests(completed, RequestStatus.FINISHED_STOPPED)
+        finished, self._finished_unreported = self._finished_unreported, set()
+        return finished
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (complete, abort, fail) requests and release their KV at once.
+
+        Unknown or already finished ids are ignored. A waiting request that
+        was never reserved allocates nothing. A request whose KV receive is
+        still loading moves to draining and keeps its blocks until
+        ``release_kv_drains``.
+        """
+        status = RequestStatus(status)
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            state = self._states.get(request_id)
+            if state is None or state.is_finished:
+                continue
+            if request_id in self.running:
+                self.running.remove(request_id)
+            else:
+                self.waiting.remove(request_id)
+            self._finish(state, status)
+
+    def prefetch_waiting_head(self) -> DiffusionKVMetadata | None:
+        """Reserve pages for the head of the queue before it can run (e.g. to receive its KV).
+
+        The head stays WAITING and holds blocks but no Worker rows; when it is
+        admitted it reuses this reservation (same generation and metadata).
+        Returns the metadata, or ``None`` when there is no unreserved,
+        never-preempted head or no space right now. Works while every running
+        slot is taken: there is deliberately no aggregate row gate, because
+        a prefetched reservation owns no rows. A request-caused failure
+        finishes the head with ``FINISHED_ERROR``; anything else is fatal.
+        """
+        self._check_alive()
+        if not self.waiting:
+            return None
+        request_id = self.waiting[0]
+        state = self._states[request_id]
+        if state.status != RequestStatus.WAITING or self.manager.has_request(request_id):
+            return None
+        try:
+            return self.manager.reserve_request(request_id, state.kv_requests)
+        except DiffusionKVAdmissionError as exc:
+            self.waiting.popleft()
+            self._finish(state, RequestStatus.FINISHED_ERROR, error=str(exc))
+            return None
+        except Exception as exc:
+            self._die(exc, f"prefetching KV for request {request_id!r}")
+
+    def preempt_request(self, request_id: str) -> bool:
+        """Move a running request to the head of the queue, keeping its reservation and rows.
+
+        Returns False (and changes nothing) for an unknown, not running, or
+        KV-loading request.
+        """
+        state = self._states.get(request_id)
+        if state is None or state.kv_loading or request_id not in self.running:
+            return False
+        self.running.remove(request_id)
+        self.waiting.appendleft(request_id)
+        state.status = RequestStatus.PREEMPTED
+        for kv_request in state.kv_requests:
+            kv_request.num_preemptions += 1
+        return True
+
+    def get_request_state(self, request_id: str) -> RequestState:
+        try:
+            return self._states[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not known to the scheduler") from None
+
+    def pop_request_state(self, request_id: str) -> RequestState:
+        """Drop a finished request's state; the id may then be added again."""
+        state = self.get_request_state(request_id)
+        if not state.is_finished:
+            raise ValueError(f"request {request_id!r} is still {state.status.name}; finish it before popping")
+        return self._states.pop(request_id)
+
+    def has_requests(self) -> bool:
+        """True while anything is waiting, running or draining KV."""
+        return bool(self.waiting or self.running or self._draining)
+
+    # -- KV receive (remote prefill) bookkeeping ----------------------------------------
+
+    def set_kv_loading(self, request_id: str, loading: bool) -> None:
+        """Mark whether a request's KV is being received into its reserved pages.
+
+        While loading, finishing the request drains it (pages stay held) and
+        it cannot be preempted. A draining request is found even after its
+        state was popped.
+        """
+        state = self._draining.get(request_id) or self.get_request_state(request_id)
+        state.kv_loading = loading
+
+    def completed_kv_drains(self) -> set[str]:
+        """Draining requests whose KV receive has finished (safe to release)."""
+        return {request_id for request_id, state in self._draining.items() if not state.kv_loading}
+
+    def release_kv_drains(self, request_ids: Iterable[str]) -> None:
+        """Free drained reservations; call after every rank finished and retired the rows."""
+        request_ids = tuple(request_ids)
+        still_loading = sorted(r for r in request_ids if r in self._draining and self._draining[r].kv_loading)
+        if still_loading:
+            raise ValueError(f"Cannot release diffusion pages before KV receive completes: {still_loading}")
+        for request_id in request_ids:
+            if self._draining.pop(request_id, None) is not None:
+                self.manager.free_request(request_id)
+
+    # -- teardown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every reservation (including draining ones) and forget all requests."""
+        self.manager.close()
+        self.waiting.clear()
+        self.running.clear()
+        self._draining.clear()
+        self._states.clear()
+        self._finished_for_workers.clear()
+        self._finished_unreported.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _finish(self, state: RequestState, status: RequestStatus, *, error: str | None = None) -> None:
+        state.status = status
+        state.error = error
+        if state.kv_loading:
+            self._draining[state.request_id] = state
+        else:
+            self.manager.free_request(state.request_id)
+        self._finished_for_workers[state.request_id] = state.allocation_generation
+        self._finished_unreported.add(state.request_id)
+
+    def _check_alive(self) -> None:
+        if self.fatal_error is not None:
+            raise DiffusionKVInvariantError(
+                "the Diffusion KV scheduler stopped after an invariant failure; close it and restart the engine"
+            ) from self.fatal_error
+
+    def _die(self, exc: BaseException, doing: str) -> NoReturn:
+        self.fatal_error = exc
+        logger.error("Diffusion KV invariant failure while %s: %r", doing, exc)
+        if isinstance(exc, DiffusionKVInvariantError):
+            raise exc
+        raise DiffusionKVInvariantError(f"Diffusion KV invariant failure while {doing}: {exc!r}") from exc
+
+
+__all__ = [
+    "DiffusionKVScheduler",
+    "NewRequestData",
+    "RequestState",
+    "SchedulableRequest",
+    "SchedulerOutput",
+    "validate_new_request_data_identity",
+]

@@ -1,0 +1,485 @@
+"""DiffusionKVScheduler admission and lifecycle over both allocators (native = real vLLM KVCacheManager)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from diffusion_kv import (
+    BlockPoolConfig,
+    DiffusionKVCacheManager,
+    DiffusionKVContext,
+    DiffusionKVInvariantError,
+    DiffusionKVRequest,
+    DiffusionKVScheduler,
+    NewRequestData,
+    RequestStatus,
+    sequence_request_id,
+    validate_new_request_data_identity,
+)
+from diffusion_kv.allocator import build_block_allocator
+
+BLOCK_SIZE = 4
+
+
+def _native_kv_cache_config(num_blocks: int):
+    import torch
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    register_all_kvcache_specs(None)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, non_causal=True)
+    page = spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * num_blocks, layers=["attn"], layer_stride=page * num_blocks, block_stride=page)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
+    )
+
+
+@pytest.fixture(params=["builtin", "native"])
+def kind(request):
+    if request.param == "native":
+        pytest.importorskip("vllm")
+    return request.param
+
+
+class CountingAllocator:
+    """Delegating wrapper: counts allocations; optionally raises (without allocating) on every call."""
+
+    def __init__(self, inner, error: BaseException | None = None):
+        self.inner, self.error, self.allocate_calls = inner, error, 0
+
+    num_groups = property(lambda self: self.inner.num_groups)
+    empty_pool_free_blocks = property(lambda self: self.inner.empty_pool_free_blocks)
+
+    def get_num_free_blocks(self):
+        return self.inner.get_num_free_blocks()
+
+    def blocks_for_full_reservation(self, num_tokens):
+        return self.inner.blocks_for_full_reservation(num_tokens)
+
+    def allocate(self, request):
+        self.allocate_calls += 1
+        if self.error is not None:
+            raise self.error
+        return self.inner.allocate(request)
+
+    def free(self, request):
+        self.inner.free(request)
+
+    def owned_request_ids(self):
+        return self.inner.owned_request_ids()
+
+
+@pytest.fixture
+def make_scheduler(kind):
+    def make(num_blocks: int = 8, *, max_num_seqs: int = 1, max_rows: int = 4, error=None):
+        config = BlockPoolConfig(num_blocks, BLOCK_SIZE) if kind == "builtin" else _native_kv_cache_config(num_blocks)
+        sizes = dict(max_model_len=64, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE)
+        allocator = CountingAllocator(
+            build_block_allocator(config, allocator=kind, max_in_flight_tokens=None, **sizes), error
+        )
+        manager = DiffusionKVCacheManager(config, max_rows_per_request=max_rows, allocator=allocator, **sizes)
+        return DiffusionKVScheduler(manager, max_num_seqs=max_num_seqs)
+
+    return make
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    diffusion_kv_requests: Any
+    prepared_layout: str = "layout"
+
+
+def _request(public_id: str, rows: int = 1, *, seq_len: int = 8, contexts=(), **extra) -> EngineRequest:
+    return EngineRequest(
+        public_id,
+        [
+            DiffusionKVRequest(
+                sequence_request_id(public_id, index),
+                sequence_id=index,
+                prefix_len=2,
+                target_len=seq_len - 2,
+                seq_len=seq_len,
+                kv_contexts=contexts,
+                **extra,
+            )
+            for index in range(rows)
+        ],
+    )
+
+
+def _ids(envelopes):
+    return [envelope.request_id for envelope in envelopes]
+
+
+def _assert_baseline(scheduler: DiffusionKVScheduler) -> None:
+    manager = scheduler.manager
+    assert manager.get_num_free_blocks() == manager.empty_pool_num_free_blocks
+    assert manager.allocator.owned_request_ids() == frozenset()
+    manager.check_invariants()
+
+
+def test_kv_requests_move_into_scheduler_state(make_scheduler):
+    scheduler = make_scheduler(8)
+    request = _request("pub", rows=2)
+    kv_requests = tuple(request.diffusion_kv_requests)
+    scheduler.add_request(request)
+    assert request.diffusion_kv_requests is None and request.prepared_layout == "layout"
+    assert scheduler.get_request_state("pub").kv_requests == kv_requests
+    output = scheduler.schedule()
+    (envelope,) = output.scheduled_new_reqs
+    assert envelope.req is request and envelope.request_id == "pub"
+    assert sum(len(s.block_ids[0]) for s in envelope.diffusion_kv_metadata.sequences) == 4
+
+
+def test_capacity_backpressures_fifo_until_blocks_are_freed(make_scheduler):
+    scheduler = make_scheduler(5, max_num_seqs=2)  # 4 usable blocks
+    scheduler.add_request(_request("first", rows=2))  # 4 blocks
+    scheduler.add_request(_request("second"))  # 2 blocks
+    output = scheduler.schedule()
+    assert _ids(output.scheduled_new_reqs) == ["first"]
+    assert list(scheduler.waiting) == ["second"] and not scheduler.manager.has_request("second")
+    scheduler.manager.check_invariants()
+    assert scheduler.update_from_output(output) == set()
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == []  # still no space; first keeps running
+    assert scheduler.update_from_output(output, completed=["first"]) == {"first"}
+    output = scheduler.schedule()
+    assert _ids(output.scheduled_new_reqs) == ["second"]
+    assert output.finished_req_ids == {"first"}
+    assert output.finished_row_targets == [("first", 1)]
+
+
+def test_impossible_capacity_finishes_only_that_request(make_scheduler):
+    scheduler = make_scheduler(3)  # 2 usable blocks
+    scheduler.add_request(_request("impossible", rows=2))
+    scheduler.add_request(_request("schedulable"))
+    output = scheduler.schedule()
+    assert _ids(output.scheduled_new_reqs) == ["schedulable"]
+    assert output.finished_req_ids == {"impossible"}
+    assert output.finished_row_targets == []  # never reserved, never installed
+    state = scheduler.get_request_state("impossible")
+    assert state.status is RequestStatus.FINISHED_ERROR
+    assert state.error.startswith(
+        "Diffusion KV request 'impossible' cannot fit even when the block pool is empty: "
+        "required_blocks=4, available_blocks=2"
+    )
+    assert scheduler.update_from_output(output, completed=["schedulable"]) == {"impossible", "schedulable"}
+
+
+def test_impossible_capacity_does_not_block_waiters_under_load(make_scheduler):
+    scheduler = make_scheduler(4, max_num_seqs=2)  # 3 usable blocks
+    scheduler.add_request(_request("running", seq_len=4))  # 1 block
+    scheduler.schedule()
+    scheduler.add_request(_request("impossible", rows=2))  # 4 blocks
+    scheduler.add_request(_request("small", seq_len=8))  # 2 blocks
+    output = scheduler.schedule()
+    assert _ids(output.scheduled_new_reqs) == ["small"]
+    assert "required_blocks=4, available_blocks=3" in scheduler.get_request_state("impossible").error
+
+
+def test_internal_allocation_error_is_engine_fatal(make_scheduler):
+    scheduler = make_scheduler(8, error=RuntimeError("native allocation bug"))
+    scheduler.add_request(_request("pub"))
+    with pytest.raises(DiffusionKVInvariantError) as excinfo:
+        scheduler.schedule()
+    assert str(excinfo.value.__cause__) == "native allocation bug"
+    assert not isinstance(excinfo.value, ValueError)
+    assert scheduler.get_request_state("pub").status is RequestStatus.WAITING  # not a per-request user error
+    _assert_baseline(scheduler)
+    with pytest.raises(DiffusionKVInvariantError, match="stopped after an invariant failure"):
+        scheduler.schedule()
+    scheduler.close()
+    assert not scheduler.has_requests()
+
+
+def test_preemption_retains_allocation_and_resumes_as_cached(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub", rows=2))
+    metadata = scheduler.schedule().scheduled_new_reqs[0].diffusion_kv_metadata
+    free = scheduler.manager.get_num_free_blocks()
+    assert scheduler.preempt_request("pub")
+    assert scheduler.get_request_state("pub").status is RequestStatus.PREEMPTED
+    assert scheduler.manager.get_num_free_blocks() == free
+    output = scheduler.schedule()
+    assert output.scheduled_new_reqs == []
+    (envelope,) = output.scheduled_cached_reqs
+    assert envelope.diffusion_kv_metadata == metadata
+    assert scheduler.get_request_state("pub").status is RequestStatus.RUNNING
+    # Running requests are re-emitted as cached on every pass.
+    assert _ids(scheduler.schedule().scheduled_cached_reqs) == ["pub"]
+
+
+@pytest.mark.parametrize(
+    "status", [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR]
+)
+def test_terminal_status_releases_allocation(make_scheduler, status):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub", rows=2))
+    scheduler.schedule()
+    scheduler.finish_requests("pub", status)
+    assert not scheduler.manager.has_request("pub")
+    assert scheduler.get_request_state("pub").status is status
+    _assert_baseline(scheduler)
+
+
+def test_finish_requires_a_finished_status(make_scheduler):
+    scheduler = make_scheduler(8)
+    with pytest.raises(ValueError, match="finish_requests needs a finished status, got RUNNING"):
+        scheduler.finish_requests(["x"], RequestStatus.RUNNING)
+
+
+@pytest.mark.parametrize("kv_requests", [None, []])
+def test_rejects_request_without_kv_requests(make_scheduler, kv_requests):
+    scheduler = make_scheduler(8)
+    with pytest.raises(
+        ValueError, match="paged_scheduler request preprocessing did not produce DiffusionKVRequest state"
+    ):
+        scheduler.add_request(EngineRequest("pub", kv_requests))
+    assert not scheduler.has_requests()
+
+
+def test_request_scoped_context_moves_through_scheduler_and_is_freed(make_scheduler):
+    scheduler = make_scheduler(8)
+    idle = scheduler.manager.get_num_free_blocks()
+    ar = DiffusionKVContext("ar", "ar_decode", 8)
+    scheduler.add_request(_request("pub", contexts=(ar,)))
+    output = scheduler.schedule()
+    metadata = output.scheduled_new_reqs[0].diffusion_kv_metadata
+    assert [(c.context_id, c.cache_role) for c in metadata.contexts] == [("ar", "ar_decode")]
+    assert scheduler.manager.get_num_free_blocks() == idle - 4
+    assert scheduler.update_from_output(output, completed=["pub"]) == {"pub"}
+    _assert_baseline(scheduler)
+
+
+def test_waiting_abort_never_allocates(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub", contexts=(DiffusionKVContext("ar", "ar_decode", 4),)))
+    scheduler.finish_requests(["pub"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.manager.allocator.allocate_calls == 0
+    output = scheduler.schedule()
+    assert output.num_scheduled_reqs == 0 and output.finished_req_ids == {"pub"}
+    assert scheduler.update_from_output(output) == {"pub"}
+    _assert_baseline(scheduler)
+
+
+def test_running_abort_releases_before_output_update(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub", contexts=(DiffusionKVContext("ar", "ar_decode", 4),)))
+    output = scheduler.schedule()
+    scheduler.finish_requests(["pub"], RequestStatus.FINISHED_ABORTED)
+    _assert_baseline(scheduler)  # freed at once, not at the next update
+    assert scheduler.update_from_output(output) == {"pub"}
+    assert scheduler.get_request_state("pub").status is RequestStatus.FINISHED_ABORTED
+    assert scheduler.schedule().finished_row_targets == [("pub", 1)]
+
+
+def test_preempted_request_resumes_ahead_of_a_later_request(make_scheduler):
+    """max_num_seqs=1 and 2 rows per request: the Worker pool has exactly 2 rows."""
+    scheduler = make_scheduler(16, max_num_seqs=1, max_rows=2)
+    ar = DiffusionKVContext("ar", "ar_decode", 4)
+    scheduler.add_request(_request("first", contexts=(ar,)))
+    first_metadata = scheduler.schedule().scheduled_new_reqs[0].diffusion_kv_metadata
+    assert scheduler.preempt_request("first")
+    scheduler.add_request(_request("second", contexts=(ar,)))
+    output = scheduler.schedule()
+    assert _ids(output.scheduled_cached_reqs) == ["first"] and output.scheduled_new_reqs == []
+    assert output.scheduled_cached_reqs[0].diffusion_kv_metadata == first_metadata
+    assert list(scheduler.waiting) == ["second"]
+    scheduler.update_from_output(output, completed=["first"])
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["second"]
+
+
+def test_installed_rows_beyond_the_worker_pool_are_an_invariant_failure(make_scheduler):
+    """If the queue is ever reordered past a preempted request, schedule() fails loudly."""
+    scheduler = make_scheduler(16, max_num_seqs=1, max_rows=2)
+    scheduler.add_request(_request("first", rows=2))
+    scheduler.schedule()
+    assert scheduler.preempt_request("first")
+    scheduler.add_request(_request("second", rows=2))
+    scheduler.waiting.rotate(1)  # break FIFO: the new request jumps the preempted one
+    with pytest.raises(DiffusionKVInvariantError, match=r"installed Worker rows \(4.*exceed the row pool of 2"):
+        scheduler.schedule()
+
+
+def test_backpressure_with_contexts_retries_without_partial_ownership(make_scheduler):
+    scheduler = make_scheduler(6, max_num_seqs=2)  # 5 usable blocks
+    scheduler.add_request(_request("holder", seq_len=8))  # 2 blocks
+    scheduler.schedule()
+    text = DiffusionKVContext("text", "cross.text", 8)
+    scheduler.add_request(_request("ctx", rows=2, seq_len=4, contexts=(text,)))  # 1 + 1 + 2 blocks
+    assert scheduler.schedule().scheduled_new_reqs == []
+    assert scheduler.manager.allocator.owned_request_ids() == {"holder/diffusion-kv/0"}
+    assert scheduler.manager.get_num_free_blocks() == 3
+    scheduler.finish_requests(["holder"], RequestStatus.FINISHED_STOPPED)
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["ctx"]
+
+
+def test_request_id_reuse_gets_new_generation_and_fresh_contexts(make_scheduler):
+    scheduler = make_scheduler(8)
+    text = DiffusionKVContext("text", "cross.text", 4)
+    scheduler.add_request(_request("pub", contexts=(text,)))
+    first = scheduler.schedule().scheduled_new_reqs[0].diffusion_kv_metadata
+    with pytest.raises(ValueError, match="request_id 'pub' is already active."):
+        scheduler.add_request(_request("pub"))
+    scheduler.finish_requests(["pub"], RequestStatus.FINISHED_STOPPED)
+    with pytest.raises(ValueError, match="request_id 'pub' is already active."):
+        scheduler.add_request(_request("pub"))  # finished but not popped yet
+    assert scheduler.pop_request_state("pub").status is RequestStatus.FINISHED_STOPPED
+    scheduler.add_request(_request("pub", contexts=(DiffusionKVContext("text", "cross.text", 8),)))
+    second = scheduler.schedule().scheduled_new_reqs[0].diffusion_kv_metadata
+    assert second.allocation_generation > first.allocation_generation
+    assert second.contexts[0].num_tokens == 8
+
+
+def test_pop_refuses_an_unfinished_request(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub"))
+    with pytest.raises(ValueError, match="request 'pub' is still WAITING; finish it before popping"):
+        scheduler.pop_request_state("pub")
+
+
+def test_kv_transfer_params_with_contexts_fail_admission_only_for_that_request(make_scheduler):
+    scheduler = make_scheduler(8, max_num_seqs=2)
+    ar = DiffusionKVContext("ar", "ar_decode", 4)
+    scheduler.add_request(_request("remote", contexts=(ar,), kv_transfer_params={"do_remote_prefill": True}))
+    scheduler.add_request(_request("local"))
+    output = scheduler.schedule()
+    assert _ids(output.scheduled_new_reqs) == ["local"]
+    state = scheduler.get_request_state("remote")
+    assert state.status is RequestStatus.FINISHED_ERROR
+    assert "contexts cannot receive transferred KV" in state.error
+    assert scheduler.manager.allocator.allocate_calls == 1  # only "local"'s row
+
+
+def test_finishing_while_kv_loads_drains_until_released(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub", contexts=(DiffusionKVContext("ar", "ar_decode", 4),)))
+    scheduler.schedule()
+    scheduler.set_kv_loading("pub", True)
+    assert not scheduler.preempt_request("pub")
+    free = scheduler.manager.get_num_free_blocks()
+    scheduler.finish_requests(["pub"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.manager.has_request("pub") and scheduler.manager.get_num_free_blocks() == free
+    assert scheduler.has_requests() and scheduler.completed_kv_drains() == set()
+    scheduler.pop_request_state("pub")
+    with pytest.raises(ValueError, match="request_id 'pub' is already active."):
+        scheduler.add_request(_request("pub"))
+    with pytest.raises(ValueError, match="Cannot release diffusion pages before KV receive completes"):
+        scheduler.release_kv_drains(["pub"])
+    scheduler.set_kv_loading("pub", False)
+    assert scheduler.completed_kv_drains() == {"pub"}
+    scheduler.release_kv_drains(["pub"])
+    _assert_baseline(scheduler)
+    assert not scheduler.has_requests()
+    scheduler.add_request(_request("pub"))
+
+
+def test_preempt_refuses_unknown_and_waiting_requests(make_scheduler):
+    scheduler = make_scheduler(8)
+    assert not scheduler.preempt_request("nope")
+    scheduler.add_request(_request("pub"))
+    assert not scheduler.preempt_request("pub")
+
+
+def test_completed_ids_must_come_from_the_output(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub"))
+    output = scheduler.schedule()
+    with pytest.raises(ValueError, match=r"completed requests \['other'\] were not scheduled in this output"):
+        scheduler.update_from_output(output, completed=["other"])
+
+
+def test_envelope_identity_is_checked():
+    from diffusion_kv import DiffusionKVMetadata
+
+    metadata = DiffusionKVMetadata(request_id="b", allocation_generation=1, sequences=())
+    with pytest.raises(ValueError, match="request identity mismatch"):
+        validate_new_request_data_identity(NewRequestData("a", EngineRequest("a", None), metadata))
+
+
+def test_close_releases_everything(make_scheduler):
+    scheduler = make_scheduler(16, max_num_seqs=2)
+    scheduler.add_request(_request("a", rows=2))
+    scheduler.add_request(_request("b", contexts=(DiffusionKVContext("t", "cross.text", 4),)))
+    scheduler.add_request(_request("c"))
+    scheduler.schedule()
+    assert scheduler.has_requests()
+    scheduler.close()
+    assert not scheduler.has_requests()
+    _assert_baseline(scheduler)
+
+
+def test_prefetch_succeeds_while_another_request_runs_and_is_reused_at_admission(make_scheduler):
+    """max_num_seqs=1: no aggregate row gate refuses the prefetch of the next request."""
+    scheduler = make_scheduler(16, max_num_seqs=1, max_rows=2)
+    text = DiffusionKVContext("text", "cross.text", 4)
+    scheduler.add_request(_request("running", contexts=(text,)))
+    output = scheduler.schedule()
+    scheduler.add_request(_request("next", contexts=(text,)))
+    prefetched = scheduler.prefetch_waiting_head()
+    assert prefetched is not None and prefetched.contexts[0].context_id == "text"
+    assert scheduler.get_request_state("next").status is RequestStatus.WAITING
+    assert scheduler.prefetch_waiting_head() is None  # already reserved: nothing to do
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == []  # still one running slot
+    scheduler.update_from_output(output, completed=["running"])
+    (envelope,) = scheduler.schedule().scheduled_new_reqs
+    assert envelope.request_id == "next" and envelope.diffusion_kv_metadata == prefetched
+    assert envelope.diffusion_kv_metadata.allocation_generation == prefetched.allocation_generation
+
+
+def test_prefetched_request_aborted_while_loading_holds_context_blocks_until_released(make_scheduler):
+    scheduler = make_scheduler(16, max_num_seqs=1)
+    scheduler.add_request(_request("running"))
+    scheduler.schedule()
+    scheduler.add_request(_request("next", contexts=(DiffusionKVContext("ar", "ar_decode", 8),)))
+    assert scheduler.prefetch_waiting_head() is not None
+    scheduler.set_kv_loading("next", True)
+    held = scheduler.manager.get_num_free_blocks()
+    scheduler.finish_requests(["next"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.manager.get_num_free_blocks() == held and scheduler.manager.has_request("next")
+    scheduler.set_kv_loading("next", False)
+    scheduler.release_kv_drains(scheduler.completed_kv_drains())
+    scheduler.finish_requests(["running"], RequestStatus.FINISHED_STOPPED)
+    _assert_baseline(scheduler)
+
+
+def test_prefetch_capacity_and_admission_outcomes(make_scheduler):
+    scheduler = make_scheduler(4, max_num_seqs=1)  # 3 usable blocks
+    assert scheduler.prefetch_waiting_head() is None  # empty queue
+    scheduler.add_request(_request("running"))  # 2 blocks
+    scheduler.schedule()
+    scheduler.add_request(_request("waits"))  # 2 blocks: no space now
+    assert scheduler.prefetch_waiting_head() is None
+    assert not scheduler.manager.has_request("waits")
+    scheduler.manager.check_invariants()
+    scheduler.finish_requests(["waits"], RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(_request("never", rows=2))  # 4 blocks > 3: can never fit
+    assert scheduler.prefetch_waiting_head() is None
+    assert scheduler.get_request_state("never").status is RequestStatus.FINISHED_ERROR
+    assert not scheduler.waiting
+
+
+def test_prefetch_skips_a_preempted_head(make_scheduler):
+    scheduler = make_scheduler(8)
+    scheduler.add_request(_request("pub"))
+    scheduler.schedule()
+    scheduler.preempt_request("pub")
+    assert scheduler.prefetch_waiting_head() is None
+
+
+def test_a_head_whose_kv_is_still_loading_is_not_admitted(make_scheduler):
+    scheduler = make_scheduler(16, max_num_seqs=2)
+    scheduler.add_request(_request("loading"))
+    scheduler.add_request(_request("behind"))
+    assert scheduler.prefetch_waiting_head() is not None
+    scheduler.set_kv_loading("loading", True)
+    assert scheduler.schedule().num_scheduled_reqs == 0  # FIFO: "behind" does not pass it
+    scheduler.set_kv_loading("loading", False)
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["loading", "behind"]
