@@ -26,12 +26,12 @@ steps=("$@")
 git rev-parse HEAD >"$R/commit.txt" 2>/dev/null || true
 for s in "${steps[@]}"; do
   case $s in
-    env) step env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"' ;;
-    tests_kv) step tests_kv 150 python3 -m pytest tests/diffusion_kv -q -x -p no:cacheprovider ;;
-    tests_other) step tests_other 150 python3 -m pytest tests/fp8_cache tests/dlo_offload -q -p no:cacheprovider ;;
+    env) step env 30 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"' ;;
+    tests_kv) step tests_kv 120 python3 -m pytest tests/diffusion_kv -q -x -p no:cacheprovider ;;
+    tests_other) step tests_other 80 python3 -m pytest tests/fp8_cache tests/dlo_offload -q -p no:cacheprovider ;;
     paged_attention) step paged_attention 150 python3 benchmarks/paged_attention.py --out "$R" ;;
-    fp8_cache) step fp8_cache 150 python3 benchmarks/fp8_cache.py --out "$R" ;;
-    dlo_offload) step dlo_offload 120 python3 benchmarks/dlo_offload.py --out "$R" ;;
+    fp8_cache) step fp8_cache 120 python3 benchmarks/fp8_cache.py --out "$R" ;;
+    dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
     prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
     *) echo "unknown step $s" ;;
   esac
