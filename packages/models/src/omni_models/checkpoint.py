@@ -1,0 +1,87 @@
+"""Reading and writing a model directory: config.json, vocab.json and safetensors weights (sharded if large).
+
+Layout (Hugging Face style): either ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` files plus
+``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {tensor name: file name}}``). Every file
+stays at or under ``max_shard_bytes`` (16 MiB by default), so the weights can live inside a package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from omni_models.config import DiTConfig
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+VOCAB_NAME = "vocab.json"
+MAX_SHARD_BYTES = 16 * 1024 * 1024
+_HEADER_SLACK = 64 * 1024  # safetensors JSON header: room for names, dtypes and offsets
+
+
+def save_weights(state: dict[str, torch.Tensor], directory: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write ``state`` as one file or as shards of at most ``max_shard_bytes`` each; returns the files written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
+    budget = max_shard_bytes - _HEADER_SLACK
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > budget:
+            raise ValueError(f"tensor {name} has {nbytes} bytes, more than one shard may hold ({budget})")
+        if size + nbytes > budget and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        path = directory / WEIGHTS_NAME
+        save_file(shards[0], str(path))
+        return [path]
+    paths = []
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        path = directory / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path))
+        paths.append(path)
+        weight_map.update({name: path.name for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return paths
+
+
+def load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Read the weights of a model directory (single file or sharded with an index)."""
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return load_file(str(single))
+    index_path = directory / INDEX_NAME
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+    weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    state: dict[str, torch.Tensor] = {}
+    for file_name in sorted(set(weight_map.values())):
+        state.update(load_file(str(directory / file_name)))
+    missing = sorted(set(weight_map) - set(state))
+    if missing:
+        raise ValueError(f"{index_path} lists tensors missing from its shards: {missing[:5]}")
+    return state
+
+
+def save_config(config: DiTConfig, vocabulary: tuple[str, ...], directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=1))
+    (directory / VOCAB_NAME).write_text(json.dumps(list(vocabulary), indent=1))
+
+
+def load_config(directory: Path) -> tuple[DiTConfig, tuple[str, ...]]:
+    config = DiTConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
+    vocabulary = tuple(json.loads((directory / VOCAB_NAME).read_text()))
+    if len(vocabulary) != config.vocab_size:
+        raise ValueError(f"{directory / VOCAB_NAME} has {len(vocabulary)} words but config says {config.vocab_size}")
+    return config, vocabulary

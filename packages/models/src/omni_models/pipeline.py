@@ -1,0 +1,310 @@
+"""The text-to-image pipeline of the causal-prefix DiT family: validation, the stepwise paged API, ``__call__``.
+
+``__call__`` is built on the stepwise API (``prepare`` -> ``run_prefix`` -> ``run_denoise_step``* ->
+``decode``) over a private KV pool sized for the call, so an engine's pool bound through
+``allocate_kv_caches`` is never touched by it. With ``attention_backend="dense"`` it uses the dense reference
+sampler instead (same images within floating-point noise).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from PIL import Image
+
+from omni_models import paged
+from omni_models.captions import Tokenizer
+from omni_models.checkpoint import load_config, load_weights
+from omni_models.config import DiTConfig
+from omni_models.errors import InvalidRequestError
+from omni_models.flow import euler_times, initial_noise
+from omni_models.hub import resolve_model_dir
+from omni_models.integrations import declare_kv_cache
+from omni_models.model import CausalPrefixDiT
+from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob, StepBatch
+from omni_models.sampling import generate_dense
+from omni_models.scorer import to_uint8_images
+
+AttentionBackend = Literal["paged", "dense"]
+MAX_INFERENCE_STEPS = 1000
+MAX_GUIDANCE_SCALE = 100.0
+MAX_SEED = 2**63 - 1
+CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    name: str
+    supported_sizes: tuple[tuple[int, int], ...]  # (height, width)
+    default_steps: int
+    default_guidance: float
+    max_inference_steps: int
+    max_prompt_tokens: int  # including BOS, so max_prompt_tokens - 1 words
+    vocabulary: tuple[str, ...]
+
+
+class Pipeline:
+    """A loaded model ready to generate. Not thread-safe: one caller drives one pipeline."""
+
+    def __init__(
+        self,
+        model: CausalPrefixDiT,
+        tokenizer: Tokenizer,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: AttentionBackend = "paged",
+    ) -> None:
+        if attention_backend not in ("paged", "dense"):
+            raise ValueError(f"attention_backend must be 'paged' or 'dense', got {attention_backend!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.attention_backend = attention_backend
+        config = model.config
+        self.info = PipelineInfo(
+            name=config.name,
+            supported_sizes=config.supported_sizes,
+            default_steps=config.default_steps,
+            default_guidance=config.default_guidance,
+            max_inference_steps=MAX_INFERENCE_STEPS,
+            max_prompt_tokens=tokenizer.max_tokens,
+            vocabulary=tokenizer.vocabulary[2:],
+        )
+        declare_kv_cache(model, dtype)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # --- request validation -------------------------------------------------------------------------------------
+
+    def _validate(
+        self, prompt: Any, negative_prompt: Any, num_inference_steps: Any, guidance_scale: Any, seed: Any,
+        height: Any, width: Any,
+    ) -> tuple[GenerationRequest, list[int], list[int] | None]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequestError(f"prompt must be a non-empty string, got {prompt!r}", param="prompt")
+        cond_ids = self.tokenizer.encode(prompt, param="prompt")
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise InvalidRequestError(
+                f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}",
+                param="negative_prompt",
+            )
+        steps = self.info.default_steps if num_inference_steps is None else num_inference_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_INFERENCE_STEPS:
+            raise InvalidRequestError(
+                f"num_inference_steps must be an integer in [1, {MAX_INFERENCE_STEPS}], got {steps!r}",
+                param="num_inference_steps",
+            )
+        guidance = self.info.default_guidance if guidance_scale is None else guidance_scale
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) \
+                or not 0.0 <= guidance <= MAX_GUIDANCE_SCALE:
+            raise InvalidRequestError(
+                f"guidance_scale must be a finite number in [0, {MAX_GUIDANCE_SCALE:g}], got {guidance!r}",
+                param="guidance_scale",
+            )
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", param="seed")
+        default_height, default_width = self.info.supported_sizes[0]
+        size = (default_height if height is None else height, default_width if width is None else width)
+        if size not in self.info.supported_sizes:
+            supported = ", ".join(f"{h}x{w}" for h, w in self.info.supported_sizes)
+            raise InvalidRequestError(
+                f"size {size[0]!r}x{size[1]!r} (height x width) is not supported by {self.info.name}; "
+                f"supported: {supported}",
+                param="size",
+            )
+        guided = float(guidance) != 1.0
+        uncond_ids = None
+        if guided:
+            uncond_ids = (self.tokenizer.null_ids if negative_prompt is None
+                          else self.tokenizer.encode(negative_prompt, param="negative_prompt"))
+        request = GenerationRequest(
+            prompt=prompt, negative_prompt=negative_prompt, num_inference_steps=steps,
+            guidance_scale=float(guidance), seed=seed, height=size[0], width=size[1],
+        )
+        return request, cond_ids, uncond_ids
+
+    # --- stepwise paged API -------------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        prompt: str,
+        negative_prompt: str | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        request_id: str | None = None,
+    ) -> GenerationJob:
+        """Validate one request and build its job (rows: cond, then uncond when guidance_scale != 1).
+
+        Raises InvalidRequestError (``.param`` names the field) and changes nothing on bad input.
+        """
+        request, cond_ids, uncond_ids = self._validate(
+            prompt, negative_prompt, num_inference_steps, guidance_scale, seed, height, width
+        )
+        target_len = self.model.config.num_image_tokens(request.height, request.width)
+        rows = [GenerationRow("cond", tuple(cond_ids), target_len)]
+        if uncond_ids is not None:
+            rows.append(GenerationRow("uncond", tuple(uncond_ids), target_len))
+        latents = initial_noise(request.seed, (self.model.config.in_channels, request.height, request.width))
+        return GenerationJob(
+            request=request,
+            rows=tuple(rows),
+            latents=latents.to(self.device),
+            times=tuple(euler_times(request.num_inference_steps).tolist()),
+            request_id=request_id,
+        )
+
+    def kv_cache_specs(self) -> dict:
+        """Layer name -> ``diffusion_kv.AttentionCacheSpec`` for every attention layer (all role ``primary``)."""
+        from diffusion_kv import discover_kv_cache_specs
+
+        return discover_kv_cache_specs(self.model)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """Allocate and bind one paged cache per layer, ``[num_blocks, 2, block_size, heads, head_size]``."""
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.kv_caches = self._new_caches(num_blocks, block_size)
+        return self.kv_caches
+
+    def _new_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        return [
+            torch.zeros(num_blocks, 2, block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
+                        device=self.device)
+            for spec in self.kv_cache_specs().values()
+        ]
+
+    def run_prefix(self, batch: StepBatch) -> None:
+        """Write every row's prefix K/V into its blocks of the bound caches (once per job)."""
+        paged.write_prefix(self.model, batch, self.kv_caches)
+
+    def run_denoise_step(self, batch: StepBatch) -> None:
+        """One Euler step for each job in the batch, reading cached prefix K/V through the block tables."""
+        paged.denoise_step(self.model, batch, self.kv_caches)
+
+    def decode(self, job: GenerationJob) -> Image.Image:
+        if not job.finished:
+            raise ValueError(f"job is at step {job.step_index} of {job.num_steps}; decode needs a finished job")
+        return Image.fromarray(to_uint8_images(job.latents.unsqueeze(0))[0])
+
+    # --- one-call generation ------------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        prompt: str | Sequence[str],
+        negative_prompt: str | Sequence[str | None] | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        callback_on_step_end: Callable[[Pipeline, int, float, dict[str, Any]], Any] | None = None,
+    ) -> list[Image.Image]:
+        """Generate one image per prompt. Prompt i uses seed ``seed + i`` (so a batch equals single calls).
+
+        ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, C, H, W]})`` is called after
+        every step, for observation. Every prompt is validated before any work starts.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts:
+            raise InvalidRequestError("prompt list is empty", param="prompt")
+        if negative_prompt is None or isinstance(negative_prompt, str):
+            negatives = [negative_prompt] * len(prompts)
+        else:
+            negatives = list(negative_prompt)
+            if len(negatives) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(negatives)} negative prompts for {len(prompts)} prompts", param="negative_prompt"
+                )
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED - len(prompts):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63 - 1 - batch], got {seed!r}",
+                                      param="seed")
+        jobs = [
+            self.prepare(p, n, num_inference_steps, guidance_scale, seed + i, height, width)
+            for i, (p, n) in enumerate(zip(prompts, negatives))
+        ]
+        if self.attention_backend == "dense":
+            return self._generate_dense(jobs, callback_on_step_end)
+        return self._generate_paged(jobs, callback_on_step_end)
+
+    def _generate_paged(self, jobs: list[GenerationJob], callback) -> list[Image.Image]:
+        tables: list[tuple[list[int], ...]] = []
+        next_block = 0
+        for job in jobs:
+            job_tables = []
+            for row in job.rows:
+                count = -(-row.num_tokens // CALL_BLOCK_SIZE)
+                job_tables.append(list(range(next_block, next_block + count)))
+                next_block += count
+            tables.append(tuple(job_tables))
+        caches = self._new_caches(next_block, CALL_BLOCK_SIZE)
+        batch = [ScheduledJob(job, job_tables) for job, job_tables in zip(jobs, tables)]
+        paged.write_prefix(self.model, batch, caches)
+        for step in range(jobs[0].num_steps):
+            paged.denoise_step(self.model, batch, caches)
+            if callback is not None:
+                callback(self, step, jobs[0].times[step], {"latents": torch.stack([job.latents for job in jobs])})
+        return [self.decode(job) for job in jobs]
+
+    def _generate_dense(self, jobs: list[GenerationJob], callback) -> list[Image.Image]:
+        request = jobs[0].request
+        cond = [list(job.rows[0].token_ids) for job in jobs]
+        uncond = [list(job.rows[1].token_ids) for job in jobs] if jobs[0].guided else None
+        images = generate_dense(
+            self.model, cond, uncond, [job.request.seed for job in jobs], num_steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale, height=request.height, width=request.width,
+        )
+        for job, image in zip(jobs, images):
+            job.latents = image
+            job.step_index = job.num_steps
+        if callback is not None:
+            callback(self, request.num_inference_steps - 1, 0.0, {"latents": images})
+        return [self.decode(job) for job in jobs]
+
+
+def load(
+    name_or_path: str = "omni-shapes-tiny",
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    attention_backend: AttentionBackend = "paged",
+) -> Pipeline:
+    """Load a pipeline by shipped name, local directory, or local Hugging Face cache entry (no network).
+
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    directory = resolve_model_dir(name_or_path)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config, vocabulary = load_config(directory)
+    # Build on the meta device and adopt the loaded tensors: no random init of weights about to be replaced.
+    with torch.device("meta"):
+        model = build_model(config)
+    state = load_weights(directory)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"weights in {directory} do not match {config.name}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.load_state_dict(state, assign=True)
+    model.to(device=device, dtype=dtype)
+    return Pipeline(model, Tokenizer(vocabulary, max_tokens=config.max_prompt_tokens), device=device, dtype=dtype,
+                    attention_backend=attention_backend)
+
+
+def build_model(config: DiTConfig) -> CausalPrefixDiT:
+    return CausalPrefixDiT(config)
