@@ -1,0 +1,166 @@
+"""``omni-server``: ``serve`` (the HTTP server) and ``generate`` (one image, in this process).
+
+Engine flags are shared by both commands and grouped in ``--help`` like
+``vllm serve`` groups them. Flags default to "not given", so a YAML file passed
+with ``--config`` fills in what the command line leaves out and an explicit
+flag always wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from omni_server.config import DEFAULT_MODEL, ConfigError, ServerConfig, build_config, load_config_file
+
+_DEFAULTS = ServerConfig()
+
+
+def _default(name: str) -> str:
+    return f"(default: {getattr(_DEFAULTS, name)})"
+
+
+def _bool_flag(group: argparse._ArgumentGroup, flag: str, dest: str, help: str) -> None:
+    group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help=f"{help} {_default(dest)}")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool) -> None:
+    """Model, weights and runtime flags, shared by ``serve`` and ``generate``."""
+    S = argparse.SUPPRESS
+    model_help = f"model name or directory (default: the shipped {DEFAULT_MODEL})"
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=S, help=model_help)
+    else:  # the prompt is the positional argument of `generate`
+        parser.add_argument("--model", default=S, help=model_help)
+    parser.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+                        help="YAML file with any of the settings below (snake_case keys); flags override it")
+
+    model = parser.add_argument_group("ModelConfig", "which model to load and where")
+    model.add_argument("--device", default=S, help=f"auto, cpu, cuda or cuda:N {_default('device')}")
+    model.add_argument("--dtype", default=S, choices=["auto", "float32", "bfloat16", "float16"],
+                       help=f"weight and activation dtype; auto uses the model's own {_default('dtype')}")
+    offload = parser.add_argument_group("OffloadConfig", "layerwise weight offload (dlo_offload)")
+    _bool_flag(offload, "--enable-layerwise-offload", "enable_layerwise_offload",
+               "keep transformer blocks in host memory and stream each to the device just in time")
+    offload.add_argument("--offload-resident-layers", "--dlo-resident-layers", dest="offload_resident_layers",
+                         type=int, default=S,
+                         help=f"leading blocks that stay on the device {_default('offload_resident_layers')}")
+
+    quant = parser.add_argument_group("QuantizationConfig", "FP8 weights (fp8_cache)")
+    quant.add_argument("--quantization", default=S, choices=["fp8"], help="quantize eligible linears to FP8")
+    quant.add_argument("--fp8-cache-dir", dest="fp8_cache_dir", default=S, metavar="DIR",
+                       help="reuse FP8 weights quantized by an earlier start (needs --quantization fp8)")
+
+    run = parser.add_argument_group("RuntimeConfig")
+    run.add_argument("--seed", type=int, default=S, help=f"base seed for requests without one {_default('seed')}")
+    run.add_argument("--log-level", dest="log_level", default=S, choices=["debug", "info", "warning", "error"],
+                     help=f"{_default('log_level')}")
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """KV pool, scheduler and frontend flags: only ``serve`` runs the engine that uses them."""
+    S = argparse.SUPPRESS
+    cache = parser.add_argument_group("CacheConfig", "the paged KV cache pool")
+    cache.add_argument("--block-size", dest="block_size", type=int, default=S,
+                       help=f"tokens per KV block {_default('block_size')}")
+    cache.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", default=S, metavar="BYTES",
+                       help="explicit KV pool budget, e.g. 512M or 2G; 0 or unset sizes it from "
+                            "--gpu-memory-utilization after profiling")
+    cache.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, default=S,
+                       help=f"fraction of device memory the engine may use in total {_default('gpu_memory_utilization')}")
+    cache.add_argument("--max-model-len", dest="max_model_len", default=S, metavar="TOKENS",
+                       help="longest CFG row (prompt + image tokens) admitted; -1 or unset: the model's "
+                            "longest row (longest prompt + largest image)")
+
+    scheduler = parser.add_argument_group("SchedulerConfig", "admission and batching")
+    scheduler.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=S,
+                           help="most requests denoising at once (their CFG rows share each forward) "
+                                f"{_default('max_num_seqs')}")
+
+    frontend = parser.add_argument_group("Frontend", "the HTTP server")
+    frontend.add_argument("--served-model-name", dest="served_model_name", default=S,
+                          help="the name clients pass as `model` (default: the model argument)")
+    frontend.add_argument("--host", default=S, help=f"{_default('host')}")
+    frontend.add_argument("--port", type=int, default=S, help=f"{_default('port')}")
+    frontend.add_argument("--engine-start-timeout", dest="engine_start_timeout_s", type=float, default=S,
+                          metavar="SECONDS",
+                          help=f"give up if the engine is not ready by then {_default('engine_start_timeout_s')}")
+    _bool_flag(frontend, "--warmup", "warmup", "run one request through the engine before reporting ready")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-server", description="Serve diffusion models with an OpenAI-compatible API, or generate one image.")
+    from omni_server import __version__
+
+    parser.add_argument("--version", action="version", version=f"omni-server {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+
+    serve = commands.add_parser("serve", help="start the HTTP server",
+                                description="Start the OpenAI-compatible HTTP server (POST /v1/images/generations).")
+    _add_engine_arguments(serve, model_positional=True)
+    _add_serving_arguments(serve)
+
+    generate = commands.add_parser("generate", help="generate one image in this process",
+                                   description="Generate images for one prompt and write them as PNG.")
+    generate.add_argument("prompt", help="what the image shows")
+    request = generate.add_argument_group("Request")
+    request.add_argument("-o", "--output", default="out.png", help="PNG path; with -n > 1, NAME-i.png (default: out.png)")
+    request.add_argument("-n", type=int, default=1, help="number of images (default: 1)")
+    request.add_argument("--negative-prompt", dest="negative_prompt", default=None)
+    request.add_argument("--steps", dest="num_inference_steps", type=int, default=None,
+                         help="denoising steps (default: the model's)")
+    request.add_argument("--guidance-scale", dest="guidance_scale", type=float, default=None,
+                         help="classifier-free guidance scale; 1 disables CFG (default: the model's)")
+    request.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's)")
+    request.add_argument("--image-seed", dest="image_seed", type=int, default=None,
+                         help="seed of this image (default: --seed)")
+    _add_engine_arguments(generate, model_positional=False)
+    return parser
+
+
+_ENGINE_KEYS = set(ServerConfig.__struct_fields__)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    file_values = load_config_file(args.config_file) if args.config_file else {}
+    flags = {key: value for key, value in vars(args).items() if key in _ENGINE_KEYS}
+    return build_config(file_values, **flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.exit(2, f"omni-server: error: {exc}\n")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from omni_server.serve import serve
+
+        return serve(config)
+    return _generate(args, config)
+
+
+def _generate(args: argparse.Namespace, config: ServerConfig) -> int:
+    from omni_server.generate import GenerateError, generate_to_files
+
+    try:
+        paths = generate_to_files(
+            config, prompt=args.prompt, output=Path(args.output), n=args.n, negative_prompt=args.negative_prompt,
+            num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, size=args.size,
+            seed=args.image_seed if args.image_seed is not None else config.seed,
+        )
+    except GenerateError as exc:
+        print(f"omni-server: error: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Engine iterations over a loaded pipeline, behind one small interface the process loop drives.
+
+``Engine`` is what ``engine_process`` needs: add/abort requests, run one iteration
+(``step``), report stats. ``build_engine`` loads the model through ``loader`` and
+builds the paged engine (``paged_engine.PagedEngine``: diffusion_kv scheduler,
+batched stepwise execution).
+
+Invariant for every engine: each added request produces exactly one
+``RequestFinished`` (images, error or aborted), and an error in one request never
+stops the loop.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from omni_server.config import ServerConfig
+from omni_server.protocol import (
+    EngineReady,
+    EngineStats,
+    GenerationParams,
+    ModelCard,
+    RequestError,
+    RequestFinished,
+)
+
+logger = logging.getLogger("omni_server.engine")
+
+EngineOutput = RequestFinished | EngineStats
+
+
+class Engine(Protocol):
+    def ready_message(self) -> EngineReady: ...
+    def add(self, request_id: str, params: GenerationParams) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[EngineOutput]: ...
+    def close(self) -> None: ...
+
+
+def build_engine(config: ServerConfig) -> Engine:
+    """Load the model (load -> quantize/offload), then build, profile and warm up the engine."""
+    from omni_server.loader import load_pipeline
+    from omni_server.paged_engine import PagedEngine
+
+    requested_memory = None
+    if not config.kv_cache_memory_bytes and config.resolved_device().startswith("cuda"):
+        # The memory target is fixed before the weights load, so the profile sees them as non-KV memory.
+        from diffusion_kv.sizing import requested_device_memory
+
+        requested_memory = requested_device_memory(config.resolved_device(), config.gpu_memory_utilization)
+    return PagedEngine(load_pipeline(config), config, requested_memory=requested_memory)
+
+
+def model_card(pipeline: Any, served_name: str) -> ModelCard:
+    """Describe the loaded model from ``Pipeline.info`` for validation and /v1/models."""
+    info = pipeline.info
+    sizes = [(int(h), int(w)) for h, w in info.supported_sizes]
+    return ModelCard(
+        name=served_name,
+        sizes=sizes,
+        default_size=sizes[0],
+        default_steps=int(info.default_steps),
+        default_guidance_scale=float(info.default_guidance),
+        max_prompt_tokens=int(info.max_prompt_tokens),
+    )
+
+
+def encode_png(image: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def request_error(exc: BaseException) -> RequestError:
+    """Classify one request's failure: the model's ``InvalidRequestError`` is the client's fault."""
+    from omni_models import InvalidRequestError
+
+    if isinstance(exc, InvalidRequestError):
+        return RequestError(kind="invalid_request", message=str(exc), param=exc.param)
+    return RequestError(kind="engine", message=f"{type(exc).__name__}: {exc}")
+
+
+def fault_injection_hook() -> Callable[[GenerationParams], None]:
+    """Test-only fault injection, off unless ``OMNI_SERVER_FAULT_PROMPT`` is set in the engine's environment.
+
+    A request whose prompt equals that value raises inside the engine, which lets the
+    end-to-end tests prove that one failing request gets a 500 and the server lives on.
+    """
+    trigger = os.environ.get("OMNI_SERVER_FAULT_PROMPT")
+
+    def check(params: GenerationParams) -> None:
+        if trigger is not None and params.prompt == trigger:
+            raise RuntimeError("injected engine fault (OMNI_SERVER_FAULT_PROMPT)")
+
+    return check
+
+
+class Timer:
+    """Monotonic timestamps of one request: arrival, first scheduled."""
+
+    __slots__ = ("arrival", "scheduled")
+
+    def __init__(self) -> None:
+        self.arrival = time.monotonic()
+        self.scheduled: float | None = None
+
+    def mark_scheduled(self) -> None:
+        if self.scheduled is None:
+            self.scheduled = time.monotonic()
+
+    def finished(
+        self, request_id: str, *, images: Iterable[bytes] = (), error: RequestError | None = None, aborted: bool = False
+    ) -> RequestFinished:
+        now = time.monotonic()
+        scheduled = self.scheduled if self.scheduled is not None else now
+        return RequestFinished(
+            request_id=request_id,
+            images=list(images),
+            error=error,
+            aborted=aborted,
+            queue_s=scheduled - self.arrival,
+            engine_s=now - self.arrival,
+        )

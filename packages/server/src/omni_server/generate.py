@@ -1,0 +1,99 @@
+"""``omni-server generate``: one prompt to PNG files in this process, with a progress bar over denoising steps."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from omni_server.config import ConfigError, ServerConfig
+
+
+class GenerateError(Exception):
+    """A bad request or setting; the message names the field and what to change."""
+
+
+class ProgressBar:
+    """A dependency-free text progress bar, redrawn in place on a terminal stream."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 30) -> None:
+        self._total, self._stream, self._width = max(total, 1), stream, width
+        self._start = time.monotonic()
+        self._done = 0
+
+    def advance(self) -> None:
+        self._done = min(self._done + 1, self._total)
+        filled = self._width * self._done // self._total
+        elapsed = time.monotonic() - self._start
+        self._stream.write(
+            f"\rdenoising |{'#' * filled}{'.' * (self._width - filled)}| {self._done}/{self._total} "
+            f"[{elapsed:.1f}s]"
+        )
+        if self._done == self._total:
+            self._stream.write("\n")
+        self._stream.flush()
+
+
+def output_paths(output: Path, n: int) -> list[Path]:
+    """``out.png`` for one image; ``out-0.png`` ... ``out-{n-1}.png`` for several."""
+    if n == 1:
+        return [output]
+    return [output.with_name(f"{output.stem}-{i}{output.suffix or '.png'}") for i in range(n)]
+
+
+def parse_size(size: str | None) -> tuple[int | None, int | None]:
+    """``"WIDTHxHEIGHT"`` -> ``(height, width)``."""
+    if size is None:
+        return None, None
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise GenerateError(f"--size must look like WIDTHxHEIGHT, e.g. 32x32; got {size!r}")
+    return int(parts[1]), int(parts[0])
+
+
+def generate_to_files(
+    config: ServerConfig,
+    *,
+    prompt: str,
+    output: Path,
+    n: int = 1,
+    negative_prompt: str | None = None,
+    num_inference_steps: int | None = None,
+    guidance_scale: float | None = None,
+    size: str | None = None,
+    seed: int | None = None,
+    progress_stream: TextIO = sys.stderr,
+) -> list[Path]:
+    """Load the model as ``serve`` would, generate ``n`` images and write them as PNG."""
+    from omni_models import InvalidRequestError
+
+    from omni_server.loader import load_pipeline
+
+    if n < 1:
+        raise GenerateError(f"-n must be >= 1; got {n}")
+    height, width = parse_size(size)
+    try:
+        pipeline = load_pipeline(config)
+    except ConfigError as exc:
+        raise GenerateError(str(exc)) from None
+    steps = num_inference_steps if num_inference_steps is not None else pipeline.info.default_steps
+    bar = ProgressBar(int(steps), progress_stream)
+
+    def on_step_end(*_args: Any, **_kwargs: Any) -> None:
+        bar.advance()
+
+    try:
+        images = pipeline(
+            [prompt] * n if n > 1 else prompt,
+            negative_prompt=[negative_prompt] * n if (negative_prompt is not None and n > 1) else negative_prompt,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
+            height=height, width=width, callback_on_step_end=on_step_end,
+        )
+    except InvalidRequestError as exc:
+        raise GenerateError(f"{exc.param}: {exc}") from None
+    paths = output_paths(output, n)
+    for path, image in zip(paths, images, strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path, format="PNG")
+    return paths

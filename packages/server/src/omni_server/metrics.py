@@ -1,0 +1,67 @@
+"""Prometheus metrics of one server, in their own registry (several apps can live in one process).
+
+Names follow vLLM's ``vllm:`` convention with an ``omni:`` prefix. Gauges mirror
+the engine's latest ``EngineStats``; histograms are observed as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from omni_server.protocol import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+        self.running = Gauge(
+            "omni:num_requests_running", "Requests admitted by the scheduler and executing.", ["model_name"], registry=r
+        ).labels(**labels)
+        self.waiting = Gauge(
+            "omni:num_requests_waiting", "Requests queued for KV admission.", ["model_name"], registry=r
+        ).labels(**labels)
+        self.kv_blocks_used = Gauge(
+            "omni:kv_cache_blocks_in_use", "KV cache blocks currently reserved.", ["model_name"], registry=r
+        ).labels(**labels)
+        self.kv_blocks_total = Gauge(
+            "omni:kv_cache_blocks_total", "KV cache blocks in the pool.", ["model_name"], registry=r
+        ).labels(**labels)
+        self.engine_ready = Gauge(
+            "omni:engine_ready", "1 when the engine is ready, 0 while starting or after it died.", ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self.queue_time = Histogram(
+            "omni:request_queue_time_seconds", "Arrival to first scheduled, in the engine.", ["model_name"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(**labels)
+        self.step_time = Histogram(
+            "omni:denoise_step_latency_seconds", "Wall time of one engine denoising iteration.", ["model_name"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(**labels)
+        self.e2e_time = Histogram(
+            "omni:e2e_request_latency_seconds", "HTTP request received to response ready.", ["model_name"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(**labels)
+        self._finished = Counter(
+            "omni:request_finished", "Finished requests by outcome.", ["model_name", "outcome"], registry=r
+        )
+        self._model_name = model_name
+
+    def count_finished(self, outcome: str) -> None:
+        """``outcome`` is one of success, invalid, error, aborted, unavailable."""
+        self._finished.labels(model_name=self._model_name, outcome=outcome).inc()
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        for latency in stats.step_latencies_s:
+            self.step_time.observe(latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

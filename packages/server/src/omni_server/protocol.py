@@ -1,0 +1,114 @@
+"""Messages between the API process and the engine process (msgspec msgpack over a pipe).
+
+Every message is a tagged struct, so one decoder per direction turns bytes back
+into the right type. Images travel as PNG bytes; the API process base64-encodes them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
+    """One image request's fields after HTTP validation; ``None`` means the model's default."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    n: int = 1
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+
+
+# API process -> engine process
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    params: GenerationParams
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+EngineInput = AddRequest | AbortRequest | Shutdown
+
+
+# engine process -> API process
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    """What clients may ask of the loaded model (for validation, /v1/models and the playground)."""
+
+    name: str
+    sizes: list[tuple[int, int]]  # supported (height, width)
+    default_size: tuple[int, int]
+    default_steps: int
+    default_guidance_scale: float
+    max_prompt_tokens: int | None = None
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag=True):
+    """Sent once: the model is loaded, profiled, the KV pool sized and the engine warmed up."""
+
+    card: ModelCard
+    kv_blocks_total: int
+    block_size: int
+    pid: int
+
+
+class EngineStartupFailed(msgspec.Struct, frozen=True, tag=True):
+    message: str
+
+
+class RequestError(msgspec.Struct, frozen=True, kw_only=True):
+    """Why one request failed. ``kind`` maps to an HTTP status in the API process."""
+
+    kind: str  # "invalid_request" (400) | "capacity" (400) | "engine" (500)
+    message: str
+    param: str | None = None
+
+
+class RequestFinished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    request_id: str
+    images: list[bytes] = []  # PNG, one per requested image
+    error: RequestError | None = None
+    aborted: bool = False
+    queue_s: float = 0.0  # arrival -> first scheduled
+    engine_s: float = 0.0  # arrival -> finished, measured in the engine
+
+
+class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Scheduler state after an engine iteration; step latencies since the last report."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    step_latencies_s: list[float] = []
+
+
+EngineOutput = EngineReady | EngineStartupFailed | RequestFinished | EngineStats
+
+_INPUT_DECODER = msgspec.msgpack.Decoder(EngineInput)
+_OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineOutput)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode_input(data: bytes) -> EngineInput:
+    return _INPUT_DECODER.decode(data)
+
+
+def decode_output(data: bytes) -> EngineOutput:
+    return _OUTPUT_DECODER.decode(data)

@@ -1,0 +1,72 @@
+"""HTTP request/response bodies (pydantic, so FastAPI publishes them in the OpenAPI schema).
+
+The request schema is strict: unknown fields are rejected (a misspelt
+``num_inference_step`` must not silently fall back to the default), numbers must
+be finite, and ``size`` must look like ``WIDTHxHEIGHT``. Whether a size or step
+count is supported by the loaded model is checked against its ``ModelCard``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_IMAGES_PER_REQUEST = 10
+MAX_SEED = 2**63 - 1
+
+
+class ImageGenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    prompt: str = Field(min_length=1, description="Text describing the image.")
+    model: str | None = Field(default=None, description="Served model name; defaults to the loaded model.")
+    n: int = Field(default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Number of images.")
+    size: str | None = Field(
+        default=None, pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$", description="WIDTHxHEIGHT, e.g. 32x32."
+    )
+    response_format: Literal["b64_json"] = Field(
+        default="b64_json", description="Only b64_json: images are returned inline as base64 PNG."
+    )
+    negative_prompt: str | None = Field(default=None, description="What the image should not show (CFG).")
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omni"
+    sizes: list[str]
+    default_size: str
+    default_num_inference_steps: int
+    default_guidance_scale: float
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

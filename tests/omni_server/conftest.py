@@ -1,0 +1,173 @@
+"""A real ``omni-server serve`` process on a loopback port, started once per test module.
+
+Every wait is bounded; teardown stops the server with SIGTERM (then SIGKILL) and
+checks that no process of its tree is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc (Linux)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Field 4 (ppid) follows the parenthesised command name, which may contain spaces.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            children.append(int(entry))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample in /metrics text (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        sample_name = sample.split("{", 1)[0]
+        if sample_name != name:
+            continue
+        if all(f'{key}="{val}"' in sample for key, val in labels.items()):
+            return float(value)
+    return 0.0
+
+
+@dataclass
+class ServerHandle:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+    # Bodies of the non-200 /health answers seen while the engine was starting.
+    starting_health: list[dict] = field(default_factory=list)
+
+    def client(self, timeout: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def engine_pid(self) -> int:
+        # multiprocessing's spawn context also starts a resource tracker child; the engine is the spawned one.
+        engines = [pid for pid in child_pids(self.process.pid)
+                   if pid_alive(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, f"expected one engine child process, found {engines}"
+        return engines[0]
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM, bounded wait, SIGKILL; then assert the whole tree is gone."""
+        tree = [self.process.pid, *child_pids(self.process.pid)]
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leftovers = [pid for pid in tree if pid_alive(pid)]
+        assert not leftovers, f"processes left behind after stopping the server: {leftovers}"
+
+
+def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerHandle:
+    port = free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    model = os.environ.get("OMNI_SERVER_TEST_MODEL")  # optional: run the suite against another local model
+    model_args = [model, "--served-model-name", "omni-shapes-tiny"] if model else []
+    argv = [sys.executable, "-m", "omni_server", "serve", *model_args, "--device", "cpu", "--host", "127.0.0.1",
+            "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+    handle = ServerHandle(process, f"http://127.0.0.1:{port}", log_path, argv)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} during start-up:\n{handle.log()}")
+        try:
+            response = httpx.get(f"{handle.url}/health", timeout=2)
+        except httpx.TransportError:
+            pass
+        else:
+            if response.status_code == 200:
+                return handle
+            handle.starting_health.append({"status": response.status_code, **response.json()})
+        time.sleep(0.2)
+    handle.stop()
+    raise RuntimeError(f"server not healthy within {START_TIMEOUT_S} s:\n{handle.log()}")
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerHandle]]:
+    started: list[ServerHandle] = []
+
+    def factory(*args: str, env: dict[str, str] | None = None) -> ServerHandle:
+        handle = start_server(tmp_path_factory.mktemp("server"), *args, env=env)
+        started.append(handle)
+        return handle
+
+    yield factory
+    for handle in started:
+        if handle.process.poll() is None:
+            handle.stop()
+
+
+class Tools:
+    """Helpers for test modules (importlib import mode keeps conftest out of their namespace)."""
+
+    free_port = staticmethod(free_port)
+    child_pids = staticmethod(child_pids)
+    pid_alive = staticmethod(pid_alive)
+    rss_bytes = staticmethod(rss_bytes)
+    metric = staticmethod(metric)
+
+
+@pytest.fixture(scope="session")
+def tools() -> type[Tools]:
+    return Tools

@@ -1,0 +1,122 @@
+"""Config model and CLI parsing: precedence, validation messages, grouped help. No model is loaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from omni_server.cli import build_parser, config_from_args
+from omni_server.config import ConfigError, ServerConfig, build_config, load_config_file, parse_human_int
+
+
+def _config(argv: list[str]) -> ServerConfig:
+    return config_from_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("1k", 1000), ("1K", 1024), ("512M", 512 * 2**20), ("1.5g", 1_500_000_000), ("0", 0)],
+)
+def test_human_readable_ints(text: str, value: int) -> None:
+    assert parse_human_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["1.5G", "lots", "1e9", "12.5", ""])
+def test_human_readable_ints_reject_ambiguous_input(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_human_int(text)
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text("max_num_seqs: 4\nkv_cache_memory_bytes: 64M\nport: 9000\ndevice: cpu\n")
+    config = _config(["serve", "--config", str(path), "--port", "9100"])
+    assert config.max_num_seqs == 4  # from the file
+    assert config.kv_cache_memory_bytes == 64 * 2**20  # human-readable in YAML too
+    assert config.port == 9100  # the flag wins
+    assert config.block_size == ServerConfig().block_size  # the default
+    assert config.model == "omni-shapes-tiny"
+
+
+def test_yaml_accepts_dashed_keys_and_empty_files(tmp_path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text("max-num-seqs: 3\n")
+    assert load_config_file(path) == {"max_num_seqs": 3}
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config_file(empty) == {}
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "fragment"),
+    [
+        ("max_num_seq: 4\n", "unknown setting(s) in config file: max_num_seq"),
+        ("- 1\n- 2\n", "must contain a mapping"),
+        ("port: [\n", "not valid YAML"),
+        ("port: eighty\n", "$.port"),
+    ],
+)
+def test_bad_config_files_name_the_problem(tmp_path, yaml_text: str, fragment: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=None) as info:
+        _config(["serve", "--config", str(path)])
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--offload-resident-layers", "2"], "add --enable-layerwise-offload"),
+        (["--fp8-cache-dir", "/tmp/x"], "add --quantization fp8"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+        (["--kv-cache-memory-bytes", "-1"], "kv_cache_memory_bytes must be non-negative"),
+        (["--max-model-len", "0"], "max_model_len must be positive or -1"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--block-size", "12"], "block_size must be a positive power of two"),
+        (["--device", "tpu"], "device must be"),
+        (["--kv-cache-memory-bytes", "1.5G"], "decimals are not allowed"),
+    ],
+)
+def test_invalid_combinations_fail_at_start_with_what_to_change(argv: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _config(["serve", *argv])
+    assert fragment in str(info.value)
+
+
+def test_valid_combinations_are_accepted() -> None:
+    config = _config([
+        "serve", "my-model", "--device", "cuda:1", "--enable-layerwise-offload", "--dlo-resident-layers", "2",
+        "--quantization", "fp8", "--fp8-cache-dir", "/tmp/fp8", "--max-model-len", "-1",
+        "--served-model-name", "shapes",
+    ])
+    assert (config.model, config.device, config.offload_resident_layers) == ("my-model", "cuda:1", 2)
+    assert config.max_model_len == -1
+    assert config.model_name == "shapes"
+
+
+def test_config_travels_to_the_engine_process_as_msgpack() -> None:
+    config = build_config(None, max_num_seqs=3, kv_cache_memory_bytes="1M")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=ServerConfig) == config
+
+
+def test_cli_exits_2_with_the_message_on_a_bad_combination() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_server", "serve", "--fp8-cache-dir", "/tmp/x"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "add --quantization fp8 or drop --fp8-cache-dir" in result.stderr
+
+
+def test_help_is_grouped_like_vllm_serve() -> None:
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for group in ("ModelConfig:", "CacheConfig:", "SchedulerConfig:", "OffloadConfig:", "QuantizationConfig:",
+                  "Frontend:"):
+        assert group in help_text
+    for flag in ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--max-model-len", "--max-num-seqs",
+                 "--enable-layerwise-offload", "--quantization", "--fp8-cache-dir", "--host", "--port"):
+        assert flag in help_text
