@@ -8,52 +8,15 @@ import pytest
 
 from diffusion_kv import BlockAllocator, BlockPoolConfig, BuiltinBlockPool, DiffusionKVRequest
 from diffusion_kv.allocator import build_block_allocator
-
-BLOCK_SIZE = 4
+from kv_builders import BLOCK_SIZE, build_allocator, native_kv_cache_config, pool_config
 
 
 def _row(request_id: str, num_tokens: int) -> DiffusionKVRequest:
     return DiffusionKVRequest(request_id, sequence_id=0, prefix_len=0, target_len=num_tokens, seq_len=num_tokens)
 
 
-def _native_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    register_all_kvcache_specs(None)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, non_causal=True)
-    page = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * num_blocks, layers=["attn"], layer_stride=page * num_blocks, block_stride=page)
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-    )
-
-
 def _allocator(kind: str, num_blocks: int) -> BlockAllocator:
-    if kind == "builtin":
-        config = BlockPoolConfig(num_blocks, BLOCK_SIZE)
-    else:
-        config = _native_kv_cache_config(num_blocks)
-    return build_block_allocator(
-        config,
-        allocator=kind,
-        max_model_len=1024,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        max_in_flight_tokens=None,
-    )
-
-
-@pytest.fixture(params=["builtin", "native"])
-def kind(request):
-    if request.param == "native":
-        pytest.importorskip("vllm")
-    return request.param
+    return build_allocator(kind, pool_config(kind, num_blocks), max_model_len=1024)
 
 
 def test_idle_pool_reserves_the_null_block(kind):
@@ -136,7 +99,7 @@ def test_full_reservation_figure_matches_the_native_coordinator():
 
 def test_builtin_pool_can_be_built_from_a_vllm_config():
     allocator = build_block_allocator(
-        _native_kv_cache_config(6, block_size=16),
+        native_kv_cache_config(6, block_size=16),
         allocator="builtin",
         max_model_len=64,
         scheduler_block_size=16,

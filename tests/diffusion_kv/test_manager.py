@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from diffusion_kv import (
@@ -13,61 +15,29 @@ from diffusion_kv import (
     DiffusionKVRequest,
     sequence_request_id,
 )
-from diffusion_kv.allocator import build_block_allocator
-
-BLOCK_SIZE = 4
-
-
-def _native_kv_cache_config(num_blocks: int):
-    import torch
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    register_all_kvcache_specs(None)
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, non_causal=True)
-    page = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * num_blocks, layers=["attn"], layer_stride=page * num_blocks, block_stride=page)
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-    )
-
-
-@pytest.fixture(params=["builtin", "native"])
-def kind(request):
-    if request.param == "native":
-        pytest.importorskip("vllm")
-    return request.param
+from kv_builders import BLOCK_SIZE, DelegatingAllocator, build_allocator, cfg_rows, native_kv_cache_config, pool_config
 
 
 @pytest.fixture
 def make_manager(kind):
     def make(num_blocks: int = 8, *, max_rows: int = 4, max_model_len: int = 64, wrap=None):
-        config = BlockPoolConfig(num_blocks, BLOCK_SIZE) if kind == "builtin" else _native_kv_cache_config(num_blocks)
-        sizes = dict(max_model_len=max_model_len, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE)
-        allocator = build_block_allocator(config, allocator=kind, max_in_flight_tokens=None, **sizes)
+        config = pool_config(kind, num_blocks)
+        allocator = build_allocator(kind, config, max_model_len=max_model_len)
         if wrap is not None:
             allocator = wrap(allocator)
-        return DiffusionKVCacheManager(config, max_rows_per_request=max_rows, allocator=allocator, **sizes)
+        return DiffusionKVCacheManager(
+            config,
+            max_model_len=max_model_len,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            max_rows_per_request=max_rows,
+            allocator=allocator,
+        )
 
     return make
 
 
-def _seqs(public_id: str, count: int, *, seq_len: int = 8, contexts=(), **extra) -> list[DiffusionKVRequest]:
-    return [
-        DiffusionKVRequest(
-            sequence_request_id(public_id, index),
-            sequence_id=index,
-            prefix_len=3,
-            target_len=seq_len - 3,
-            seq_len=seq_len,
-            kv_contexts=contexts,
-            **extra,
-        )
-        for index in range(count)
-    ]
+_seqs = functools.partial(cfg_rows, prefix_len=3)
 
 
 def _assert_empty(manager: DiffusionKVCacheManager) -> None:
@@ -78,36 +48,19 @@ def _assert_empty(manager: DiffusionKVCacheManager) -> None:
     manager.check_invariants()
 
 
-class Spy:
+class Spy(DelegatingAllocator):
     """Delegating allocator wrapper: counts allocate calls and can raise AFTER the n-th real allocation."""
 
     def __init__(self, inner, fail_after_call: int | None = None):
-        self.inner = inner
+        super().__init__(inner)
         self.fail_after_call = fail_after_call
-        self.allocate_calls = 0
-
-    num_groups = property(lambda self: self.inner.num_groups)
-    empty_pool_free_blocks = property(lambda self: self.inner.empty_pool_free_blocks)
-
-    def get_num_free_blocks(self):
-        return self.inner.get_num_free_blocks()
-
-    def blocks_for_full_reservation(self, num_tokens):
-        return self.inner.blocks_for_full_reservation(num_tokens)
 
     def allocate(self, request):
-        self.allocate_calls += 1
-        result = self.inner.allocate(request)
+        result = super().allocate(request)
         if self.allocate_calls == self.fail_after_call:
             assert result is not None  # the failure really comes after a real allocation
             raise RuntimeError("injected allocation failure")
         return result
-
-    def free(self, request):
-        self.inner.free(request)
-
-    def owned_request_ids(self):
-        return self.inner.owned_request_ids()
 
 
 def test_default_allocator_is_the_real_native_manager_when_vllm_is_importable():
@@ -115,7 +68,7 @@ def test_default_allocator_is_the_real_native_manager_when_vllm_is_importable():
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     manager = DiffusionKVCacheManager(
-        _native_kv_cache_config(8), max_model_len=64, scheduler_block_size=4, hash_block_size=4, max_rows_per_request=2
+        native_kv_cache_config(8), max_model_len=64, scheduler_block_size=4, hash_block_size=4, max_rows_per_request=2
     )
     assert isinstance(manager.native_manager, KVCacheManager)
     assert manager.native_manager.enable_caching is False

@@ -4,39 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffusion_kv import paged_attention, write_kv_cache
+from kv_builders import as_i32, build_paged_rows, packed_qkv, sdpa_row
 
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() else [])
 DEVICE = {"torch": "cpu", "triton": "cuda"}
-
-
-def packed_qkv(num_tokens, num_heads, num_kv_heads, head_size, dtype, device, generator):
-    """Q, K, V as views of one packed projection output (K/V non-contiguous, like a fused QKV linear)."""
-    width = (num_heads + 2 * num_kv_heads) * head_size
-    qkv = torch.randn(num_tokens, width, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
-    q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
-    return (
-        q.view(num_tokens, num_heads, head_size),
-        k.view(num_tokens, num_kv_heads, head_size),
-        v.view(num_tokens, num_kv_heads, head_size),
-    )
-
-
-def dense_reference(q, k, v, mask=None):
-    """SDPA over one row: q [q, H, D], k/v [S, Hkv, D]; GQA by repeating kv heads."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask
-    )
-    return out.transpose(0, 1)
-
-
-def as_i32(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,7 +28,7 @@ def test_seed_case_prefix_then_suffix_matches_sdpa(backend):
         q[:17], kv_cache, block_tables, as_i32([0, 17], device), as_i32([17], device), as_i32([0], device),
         backend=backend,
     )
-    torch.testing.assert_close(out.float(), dense_reference(q[:17], k[:17], v[:17]), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), sdpa_row(q[:17], k[:17], v[:17]), rtol=2e-2, atol=2e-2)
 
     before = kv_cache.clone()
     suffix_slots = torch.tensor([17, 18], dtype=torch.int64, device=device)
@@ -66,7 +39,7 @@ def test_seed_case_prefix_then_suffix_matches_sdpa(backend):
         q[17:], kv_cache, block_tables, as_i32([0, 2], device), as_i32([19], device), as_i32([17], device),
         backend=backend,
     )
-    torch.testing.assert_close(out.float(), dense_reference(q[17:], k, v), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), sdpa_row(q[17:], k, v), rtol=2e-2, atol=2e-2)
     assert out.dtype == torch.float16 and out.shape == (2, 2, 64)
 
 
@@ -76,33 +49,13 @@ def test_seed_case_prefix_then_suffix_matches_sdpa(backend):
 def test_ragged_rows_match_sdpa(backend, num_heads, num_kv_heads, dtype):
     """Three rows with different cached prefixes and query spans, scattered over a shuffled pool."""
     device = DEVICE[backend]
-    gen = torch.Generator().manual_seed(1)
-    block_size, head_size = 8, 32
     rows = [(0, 13), (20, 5), (3, 30)]  # (query_pos_start, num_queries) ; seq_len = start + queries
-    seq_lens = [start + n for start, n in rows]
-    blocks_needed = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(blocks_needed) + 3, generator=gen).tolist()
-    kv_cache = torch.zeros(len(perm), 2, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
-    width = max(blocks_needed) + 1
-    tables, expected, queries, cursor = [], [], [], 0
-    for (start, n), seq_len, nb in zip(rows, seq_lens, blocks_needed):
-        ids = perm[cursor : cursor + nb]
-        cursor += nb
-        tables.append(ids + [0] * (width - nb))
-        q, k, v = packed_qkv(seq_len, num_heads, num_kv_heads, head_size, dtype, device, gen)
-        positions = torch.arange(seq_len)
-        slots = torch.tensor(ids, dtype=torch.int64)[positions // block_size] * block_size + positions % block_size
-        write_kv_cache(k, v, kv_cache, slots.to(device), backend=backend)
-        queries.append(q[start:])
-        expected.append(dense_reference(q[start:], k, v))
-    qsl = [0]
-    for _, n in rows:
-        qsl.append(qsl[-1] + n)
-    out = torch.full((qsl[-1], num_heads, head_size), float("nan"), dtype=dtype, device=device)
-    result = paged_attention(
-        torch.cat(queries), kv_cache, as_i32(tables, device), as_i32(qsl, device), as_i32(seq_lens, device),
-        as_i32([s for s, _ in rows], device), out=out, backend=backend,
+    args, queries, dense = build_paged_rows(
+        rows, num_heads, num_kv_heads, 32, 8, dtype, seed=1, device=device, backend=backend, spare_blocks=3, pad_block=0
     )
+    expected = [sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)]
+    out = torch.full(args[0].shape, float("nan"), dtype=dtype, device=device)
+    result = paged_attention(*args, out=out, backend=backend)
     assert result is out
     torch.testing.assert_close(out.float(), torch.cat(expected), rtol=2e-2, atol=2e-2)
 
@@ -124,11 +77,7 @@ def test_causal_prefix_mask_and_scale(backend):
         scale=0.3, causal_prefix_lens=as_i32([prefix], device), backend=backend,
     )
     allowed = (pos[:, None] >= prefix) | (pos[None, :] <= pos[:, None])
-    group = 2
-    ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1),
-        attn_mask=allowed.to(device), scale=0.3,
-    ).transpose(0, 1)
+    ref = sdpa_row(q, k, v, mask=allowed.to(device), scale=0.3)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # The mask matters: the same call without it differs for the prefix queries only.
     plain = paged_attention(

@@ -7,11 +7,11 @@ must be set before `diffusion_kv.ops.triton_kernels` is imported (Triton decides
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
@@ -20,6 +20,7 @@ if not ON_CUDA:
 triton_kernels = pytest.importorskip("diffusion_kv.ops.triton_kernels")
 
 from diffusion_kv import paged_attention, write_kv_cache  # noqa: E402
+from kv_builders import as_i32, build_paged_rows, packed_qkv, sdpa_row  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -32,55 +33,12 @@ def test_kernels_run_where_this_module_expects():
     )
 
 
-def i32(values):
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
-
-def build_paged_rows(rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed):
-    """Random packed-QKV rows written into a shuffled pool; returns the op arguments and dense K/V per row."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [start + n for start, n in rows]
-    blocks = [-(-s // page_size) for s in seq_lens]
-    perm = torch.randperm(sum(blocks) + 2, generator=gen).tolist()
-    kv_cache = torch.zeros(len(perm), 2, page_size, num_kv_heads, head_size, dtype=dtype, device=DEVICE)
-    width = max(blocks) + 1
-    tables, queries, dense, cursor = [], [], [], 0
-    for (start, n), seq_len, nb in zip(rows, seq_lens, blocks):
-        ids = perm[cursor : cursor + nb]
-        cursor += nb
-        tables.append(ids + [perm[-1]] * (width - nb))
-        qkv = torch.randn(seq_len, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(DEVICE, dtype)
-        q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
-        k = k.view(seq_len, num_kv_heads, head_size)
-        v = v.view(seq_len, num_kv_heads, head_size)
-        pos = torch.arange(seq_len)
-        slots = (torch.tensor(ids)[pos // page_size] * page_size + pos % page_size).to(DEVICE)
-        write_kv_cache(k, v, kv_cache, slots, backend="triton")
-        queries.append(q.view(seq_len, num_heads, head_size)[start:])
-        dense.append((k, v))
-    qsl = [0]
-    for _, n in rows:
-        qsl.append(qsl[-1] + n)
-    args = (torch.cat(queries), kv_cache, i32(tables), i32(qsl), i32(seq_lens), i32([s for s, _ in rows]))
-    return args, queries, dense
-
-
-def sdpa_row(q, k, v, mask=None, scale=None):
-    group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(),
-        k.repeat_interleave(group, 1).transpose(0, 1).float(),
-        v.repeat_interleave(group, 1).transpose(0, 1).float(),
-        attn_mask=mask, scale=scale,
-    )
-    return out.transpose(0, 1)
+i32 = functools.partial(as_i32, device=DEVICE)
 
 
 def test_write_kernel_matches_reference_on_packed_views():
     gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(9, 3 * 2 * 24, generator=gen).to(DEVICE, torch.float16)
-    _, k, v = qkv.split([48, 48, 48], -1)
-    k, v = k.view(9, 2, 24), v.view(9, 2, 24)
+    _, k, v = packed_qkv(9, 2, 2, 24, torch.float16, DEVICE, gen)
     slots = torch.tensor([5, 6, -1, 0, 31, 12, -1, 7, 20], device=DEVICE)
     caches = []
     for backend in ("triton", "torch"):
@@ -99,8 +57,7 @@ def test_seed_case_matches_sdpa(role):
     """
     gen = torch.Generator().manual_seed(0 if role == "primary" else 1)
     caches = {r: torch.zeros(4, 2, 16, 2, 64, dtype=torch.float16, device=DEVICE) for r in ("primary", "ar_decode")}
-    qkv = torch.randn(19, 6 * 64, generator=gen).to(DEVICE, torch.float16)
-    q, k, v = (t.view(19, 2, 64) for t in qkv.split([128, 128, 128], -1))
+    q, k, v = packed_qkv(19, 2, 2, 64, torch.float16, DEVICE, gen)
     cache = caches[role]
     write_kv_cache(k[:17], v[:17], cache, torch.tensor(list(range(48, 64)) + [16], device=DEVICE), backend="triton")
     out = paged_attention(q[:17], cache, i32([[3, 1]]), i32([0, 17]), i32([17]), i32([0]), backend="triton")
@@ -124,7 +81,9 @@ def test_seed_case_matches_sdpa(role):
 )
 def test_ragged_batch_matches_sdpa(page_size, num_heads, num_kv_heads, head_size, dtype):
     rows = [(0, 21), (35, 3), (9, 16)]
-    args, queries, dense = build_paged_rows(rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed=4)
+    args, queries, dense = build_paged_rows(
+        rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed=4, device=DEVICE, backend="triton"
+    )
     out = paged_attention(*args, backend="triton")
     expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -137,7 +96,7 @@ def test_causal_prefix_mask_matches_sdpa():
     """Row 0: prefix 20 of 40 with queries spanning prefix and target; row 1: target-only queries."""
     rows = [(0, 40), (30, 7)]
     prefix_lens = [20, 12]
-    args, queries, dense = build_paged_rows(rows, 4, 2, 32, 8, torch.float16, seed=5)
+    args, queries, dense = build_paged_rows(rows, 4, 2, 32, 8, torch.float16, seed=5, device=DEVICE, backend="triton")
     out = paged_attention(*args, scale=0.2, causal_prefix_lens=i32(prefix_lens), backend="triton")
     expected = []
     for (start, n), prefix, q, (k, v) in zip(rows, prefix_lens, queries, dense):
@@ -149,7 +108,9 @@ def test_causal_prefix_mask_matches_sdpa():
 
 
 def test_strided_out_is_filled():
-    args, queries, dense = build_paged_rows([(0, 5)], 2, 2, 16, 4, torch.float16, seed=6)
+    args, queries, dense = build_paged_rows(
+        [(0, 5)], 2, 2, 16, 4, torch.float16, seed=6, device=DEVICE, backend="triton"
+    )
     storage = torch.zeros(5, 2, 32, dtype=torch.float16, device=DEVICE)
     out = storage[..., ::2]
     result = paged_attention(*args, out=out, backend="triton")
@@ -163,7 +124,9 @@ def test_autotuned_launch_matches_sdpa(page_size):
     """A query span long enough to take the autotuned path (>= AUTOTUNE_MIN_QUERY_LEN queries)."""
     n = triton_kernels.AUTOTUNE_MIN_QUERY_LEN + 77
     rows = [(0, n), (40, n - 40)]
-    args, queries, dense = build_paged_rows(rows, 4, 2, 128, page_size, torch.bfloat16, seed=7)
+    args, queries, dense = build_paged_rows(
+        rows, 4, 2, 128, page_size, torch.bfloat16, seed=7, device=DEVICE, backend="triton"
+    )
     out = paged_attention(*args, backend="triton")
     expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

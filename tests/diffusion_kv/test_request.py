@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffusion_kv import (
     DiffusionKVContext,
@@ -12,6 +13,7 @@ from diffusion_kv import (
     sequence_request_id,
 )
 from diffusion_kv.request import _ContextKVRequest
+from kv_builders import native_kv_cache_config
 
 
 def _request(**overrides):
@@ -123,20 +125,9 @@ def test_request_status_mirrors_vllm():
 
 def test_native_kv_cache_manager_allocates_and_frees_the_request_and_shim():
     """Conformance: a real KVCacheManager drives both objects through allocate_slots/free."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
+    config = native_kv_cache_config(8, num_kv_heads=1, dtype=torch.float16)
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    register_all_kvcache_specs(None)
-    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16)
-    page = spec.page_size_bytes
-    config = KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=[KVCacheTensor(size=page * 8, layers=["attn"], layer_stride=page * 8, block_stride=page)],
-        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-    )
     native = KVCacheManager(
         kv_cache_config=config, max_model_len=64, scheduler_block_size=4, hash_block_size=4, enable_caching=False
     )

@@ -2,117 +2,54 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
 
 from diffusion_kv import (
-    BlockPoolConfig,
     DiffusionKVCacheManager,
     DiffusionKVContext,
     DiffusionKVInvariantError,
-    DiffusionKVRequest,
     DiffusionKVScheduler,
     NewRequestData,
     RequestStatus,
-    sequence_request_id,
     validate_new_request_data_identity,
 )
-from diffusion_kv.allocator import build_block_allocator
-
-BLOCK_SIZE = 4
+from kv_builders import BLOCK_SIZE, DelegatingAllocator, EngineRequest, build_allocator, cfg_rows, pool_config
 
 
-def _native_kv_cache_config(num_blocks: int):
-    import torch
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    register_all_kvcache_specs(None)
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, non_causal=True)
-    page = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * num_blocks, layers=["attn"], layer_stride=page * num_blocks, block_stride=page)
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-    )
-
-
-@pytest.fixture(params=["builtin", "native"])
-def kind(request):
-    if request.param == "native":
-        pytest.importorskip("vllm")
-    return request.param
-
-
-class CountingAllocator:
+class CountingAllocator(DelegatingAllocator):
     """Delegating wrapper: counts allocations; optionally raises (without allocating) on every call."""
 
     def __init__(self, inner, error: BaseException | None = None):
-        self.inner, self.error, self.allocate_calls = inner, error, 0
-
-    num_groups = property(lambda self: self.inner.num_groups)
-    empty_pool_free_blocks = property(lambda self: self.inner.empty_pool_free_blocks)
-
-    def get_num_free_blocks(self):
-        return self.inner.get_num_free_blocks()
-
-    def blocks_for_full_reservation(self, num_tokens):
-        return self.inner.blocks_for_full_reservation(num_tokens)
+        super().__init__(inner)
+        self.error = error
 
     def allocate(self, request):
-        self.allocate_calls += 1
         if self.error is not None:
+            self.allocate_calls += 1
             raise self.error
-        return self.inner.allocate(request)
-
-    def free(self, request):
-        self.inner.free(request)
-
-    def owned_request_ids(self):
-        return self.inner.owned_request_ids()
+        return super().allocate(request)
 
 
 @pytest.fixture
 def make_scheduler(kind):
     def make(num_blocks: int = 8, *, max_num_seqs: int = 1, max_rows: int = 4, error=None):
-        config = BlockPoolConfig(num_blocks, BLOCK_SIZE) if kind == "builtin" else _native_kv_cache_config(num_blocks)
-        sizes = dict(max_model_len=64, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE)
-        allocator = CountingAllocator(
-            build_block_allocator(config, allocator=kind, max_in_flight_tokens=None, **sizes), error
+        config = pool_config(kind, num_blocks)
+        allocator = CountingAllocator(build_allocator(kind, config, max_model_len=64), error)
+        manager = DiffusionKVCacheManager(
+            config,
+            max_model_len=64,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            max_rows_per_request=max_rows,
+            allocator=allocator,
         )
-        manager = DiffusionKVCacheManager(config, max_rows_per_request=max_rows, allocator=allocator, **sizes)
         return DiffusionKVScheduler(manager, max_num_seqs=max_num_seqs)
 
     return make
 
 
-@dataclass
-class EngineRequest:
-    request_id: str
-    diffusion_kv_requests: Any
-    prepared_layout: str = "layout"
-
-
-def _request(public_id: str, rows: int = 1, *, seq_len: int = 8, contexts=(), **extra) -> EngineRequest:
-    return EngineRequest(
-        public_id,
-        [
-            DiffusionKVRequest(
-                sequence_request_id(public_id, index),
-                sequence_id=index,
-                prefix_len=2,
-                target_len=seq_len - 2,
-                seq_len=seq_len,
-                kv_contexts=contexts,
-                **extra,
-            )
-            for index in range(rows)
-        ],
-    )
+def _request(public_id: str, rows: int = 1, **row_fields) -> EngineRequest:
+    return EngineRequest(public_id, cfg_rows(public_id, rows, prefix_len=2, **row_fields))
 
 
 def _ids(envelopes):

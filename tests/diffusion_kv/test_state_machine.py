@@ -9,45 +9,20 @@ Runs against both allocators; the native one is a real vLLM KVCacheManager.
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from diffusion_kv import (
-    BlockPoolConfig,
     DiffusionKVCacheManager,
     DiffusionKVContext,
-    DiffusionKVRequest,
     DiffusionKVScheduler,
     RequestStatus,
-    sequence_request_id,
 )
+from kv_builders import BLOCK_SIZE, EngineRequest, cfg_rows, pool_config
 
-BLOCK_SIZE = 4
 PUBLIC_IDS = ("a", "b", "c")
-
-
-class _Req:
-    def __init__(self, request_id, kv_requests):
-        self.request_id = request_id
-        self.diffusion_kv_requests = kv_requests
-
-
-def _native_kv_cache_config(num_blocks: int):
-    import torch
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    register_all_kvcache_specs(None)
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16, non_causal=True)
-    page = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * num_blocks, layers=["attn"], layer_stride=page * num_blocks, block_stride=page)
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)],
-    )
 
 
 class ReservationMachine(RuleBasedStateMachine):
@@ -55,10 +30,7 @@ class ReservationMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 3), max_rows=st.integers(1, 3))
     def build(self, num_blocks, max_num_seqs, max_rows):
-        if self.allocator_kind == "builtin":
-            config = BlockPoolConfig(num_blocks, BLOCK_SIZE)
-        else:
-            config = _native_kv_cache_config(num_blocks)
+        config = pool_config(self.allocator_kind, num_blocks, num_kv_heads=1, dtype=torch.float16)
         self.manager = DiffusionKVCacheManager(
             config,
             max_model_len=32,
@@ -88,22 +60,12 @@ class ReservationMachine(RuleBasedStateMachine):
     )
     def add(self, public_id, rows, seq_len, context_tokens):
         contexts = () if context_tokens is None else (DiffusionKVContext("ctx", "cross.text", context_tokens),)
-        kv = [
-            DiffusionKVRequest(
-                sequence_request_id(public_id, index),
-                sequence_id=index,
-                prefix_len=0,
-                target_len=seq_len,
-                seq_len=seq_len,
-                kv_contexts=contexts,
-            )
-            for index in range(rows)
-        ]
+        kv = cfg_rows(public_id, rows, prefix_len=0, seq_len=seq_len, contexts=contexts)
         if public_id in self.scheduler._states:
             with pytest.raises(ValueError, match="is already active"):
-                self.scheduler.add_request(_Req(public_id, kv))
+                self.scheduler.add_request(EngineRequest(public_id, kv))
         else:
-            self.scheduler.add_request(_Req(public_id, kv))
+            self.scheduler.add_request(EngineRequest(public_id, kv))
 
     @rule()
     def schedule(self):

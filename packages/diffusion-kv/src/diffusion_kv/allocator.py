@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from diffusion_kv._validation import is_positive_int
+
 
 class RowRequest(Protocol):
     """What an allocator reads from a row (a ``DiffusionKVRequest`` or a context shim)."""
@@ -86,7 +88,7 @@ class BlockPoolConfig:
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_positive_int(value):
                 raise ValueError(f"BlockPoolConfig.{name} must be a positive integer, got {value!r}")
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from diffusion_kv._validation import is_positive_int
 from diffusion_kv.ops import paged_attention, write_kv_cache
 from diffusion_kv.specs import AttentionCacheSpec
 from diffusion_kv.worker import RowIdentity, WorkerRowTable
@@ -50,7 +51,7 @@ class BatchRow:
             raise TypeError(f"identity must be a RowIdentity, got {type(self.identity).__name__}")
         for name in ("query_len", "seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_positive_int(value):
                 raise ValueError(f"row {self.identity}: {name} must be a positive int, got {value!r}")
         if not isinstance(self.kv_start_pos, int) or self.kv_start_pos < 0:
             raise ValueError(f"row {self.identity}: kv_start_pos must be an int >= 0, got {self.kv_start_pos!r}")

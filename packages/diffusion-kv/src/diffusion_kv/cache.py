@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from diffusion_kv._validation import check_positive_int
 from diffusion_kv.specs import AttentionCacheSpec
 
 
@@ -32,8 +33,7 @@ def allocate_kv_caches(
     (a caller bug) deterministic instead of whatever the allocator held.
     """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
     if not specs:
         raise ValueError("no cache-enabled layers: nothing to allocate")
     return {

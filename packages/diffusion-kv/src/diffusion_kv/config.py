@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from diffusion_kv._validation import is_positive_int
+
 
 class DiffusionKVCacheMode(str, enum.Enum):
     """How a diffusion pipeline holds K/V.
@@ -57,15 +59,11 @@ def worker_row_pool_size(max_num_seqs: int, max_rows_per_request: int) -> int:
     size can never overflow; prefetched or draining reservations hold blocks,
     not rows.
     """
-    if not _is_positive_int(max_rows_per_request):
+    if not is_positive_int(max_rows_per_request):
         raise ValueError("paged_scheduler requires a positive diffusion_kv_max_rows_per_request")
-    if not _is_positive_int(max_num_seqs):
+    if not is_positive_int(max_num_seqs):
         raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
     return max_num_seqs * max_rows_per_request
-
-
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -104,10 +102,10 @@ class DiffusionKVConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0 and self.max_model_len != -1:
             raise ValueError("max_model_len must be positive or -1")
-        if not _is_positive_int(self.max_num_seqs):
+        if not is_positive_int(self.max_num_seqs):
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         rows = self.diffusion_kv_max_rows_per_request
-        if rows is not None and not _is_positive_int(rows):
+        if rows is not None and not is_positive_int(rows):
             raise ValueError(f"diffusion_kv_max_rows_per_request must be a positive integer, got {rows!r}")
         if self.is_paged and rows is None:
             raise ValueError("paged_scheduler requires a positive diffusion_kv_max_rows_per_request")

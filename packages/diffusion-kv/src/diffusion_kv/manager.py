@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from diffusion_kv._validation import is_positive_int
 from diffusion_kv.allocator import AllocatorChoice, BlockAllocator, BlockPoolConfig, build_block_allocator
 from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
 from diffusion_kv.metadata import (
@@ -20,10 +21,6 @@ from diffusion_kv.metadata import (
 from diffusion_kv.request import DiffusionKVContext, DiffusionKVRequest, _ContextKVRequest, sequence_request_id
 
 _Row = DiffusionKVRequest | _ContextKVRequest
-
-
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class DiffusionKVCacheManager:
@@ -74,22 +71,22 @@ class DiffusionKVCacheManager:
         importable, else the built-in pool), ``"native"``, ``"builtin"``, or a
         ready ``BlockAllocator`` built for this config.
         """
-        if not _is_positive_int(max_model_len):
+        if not is_positive_int(max_model_len):
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         num_blocks = getattr(kv_cache_config, "num_blocks", 0)
         has_groups = bool(getattr(kv_cache_config, "kv_cache_groups", True))
-        if not _is_positive_int(num_blocks) or not has_groups:
+        if not is_positive_int(num_blocks) or not has_groups:
             raise ValueError("Diffusion KVCacheConfig must contain a positive block pool and at least one group")
-        if not (_is_positive_int(scheduler_block_size) and _is_positive_int(hash_block_size)):
+        if not (is_positive_int(scheduler_block_size) and is_positive_int(hash_block_size)):
             raise ValueError("scheduler_block_size and hash_block_size must be positive")
         if isinstance(kv_cache_config, BlockPoolConfig) and scheduler_block_size != kv_cache_config.block_size:
             raise ValueError(
                 f"scheduler_block_size ({scheduler_block_size}) must equal the pool's block_size "
                 f"({kv_cache_config.block_size}): a BlockPoolConfig has one KV-cache group"
             )
-        if not _is_positive_int(max_rows_per_request):
+        if not is_positive_int(max_rows_per_request):
             raise ValueError(f"max_rows_per_request must be a positive integer, got {max_rows_per_request!r}")
-        if max_in_flight_tokens is not None and not _is_positive_int(max_in_flight_tokens):
+        if max_in_flight_tokens is not None and not is_positive_int(max_in_flight_tokens):
             raise ValueError(f"max_in_flight_tokens must be positive when provided, got {max_in_flight_tokens}")
         if isinstance(allocator, str):
             allocator = build_block_allocator(
@@ -298,15 +295,19 @@ class DiffusionKVCacheManager:
         """Free attempted rows in reverse, through the same physical-order path as ``free_request``."""
         try:
             for row in reversed(rows):
-                self.allocator.free(row)
-                row.num_computed_tokens = 0
-                row.shared_prefix_boundary = 0
+                self._free_row(row)
         except BaseException as exc:
             raise DiffusionKVInvariantError(
                 f"Diffusion KV rollback failed; allocator ownership is unknown for {[row.request_id for row in rows]}"
             ) from exc
 
     # -- release ---------------------------------------------------------------------
+
+    def _free_row(self, row: _Row) -> None:
+        """Return the row's blocks and reset the native progress fields the allocation advanced."""
+        self.allocator.free(row)
+        row.num_computed_tokens = 0
+        row.shared_prefix_boundary = 0
 
     def free_request(self, public_request_id: str) -> None:
         """Release every row of the request; an unknown id is a no-op (idempotent)."""
@@ -318,9 +319,7 @@ class DiffusionKVCacheManager:
         # Contexts first, then sequences, each in reverse: the exact reverse of
         # allocation order, through the same physical-order path as rollback.
         for row in (*reversed(shims), *reversed(sequences)):
-            self.allocator.free(row)
-            row.num_computed_tokens = 0
-            row.shared_prefix_boundary = 0
+            self._free_row(row)
             self._internal_request_ids.discard(row.request_id)
 
     def close(self) -> None:

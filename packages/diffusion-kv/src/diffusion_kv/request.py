@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from diffusion_kv._validation import is_int
+
 # vLLM's BlockHash is ``NewType("BlockHash", bytes)``; the alias keeps this
 # module importable without vLLM while naming the same thing.
 BlockHash = bytes
@@ -66,8 +68,7 @@ def context_request_id(public_request_id: str, context_id: str) -> str:
 
 
 def _require_int(name: str, value: Any) -> int:
-    # bool is an int subclass; a True/False length is always a caller bug.
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
 
@@ -112,30 +113,15 @@ class DiffusionKVContext:
         object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
 
 
-class DiffusionKVRequest:
-    """One execution sequence (CFG row) of a public request: ``[prefix | target]``.
+class _NativeRequestSurface:
+    """The attributes of a ``vllm.v1.request.Request`` that vLLM's ``KVCacheManager`` reads.
 
-    ``request_id`` is the internal id, by convention
-    ``sequence_request_id(public_id, sequence_id)``. ``prefix_len`` is the
-    contiguous reusable prefix (text tokens), ``target_len`` the span every
-    denoise step overwrites (image tokens), ``seq_len`` the full first-step
-    allocation boundary (``prefix_len + target_len <= seq_len``).
-
-    Empty ``block_hashes`` means the prefix has no canonical cache identity
-    yet: the row gets request-local pages and is never published.
-
-    The object is Scheduler-only mutable state. Attributes below the
-    validation block are the native ``Request`` surface read by vLLM's
-    ``KVCacheManager``; the manager mutates ``num_computed_tokens`` and
-    ``shared_prefix_boundary`` and resets them on release.
+    Shared by ``DiffusionKVRequest`` and the context shim; every row starts
+    ``WAITING`` with nothing computed.
     """
 
     __slots__ = (
         "request_id",
-        "sequence_id",
-        "prefix_len",
-        "target_len",
-        "kv_contexts",
         "num_tokens",
         "num_prompt_tokens",
         "num_computed_tokens",
@@ -148,6 +134,53 @@ class DiffusionKVRequest:
         "kv_transfer_params",
         "prompt_token_ids",
     )
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        num_tokens: int,
+        num_prompt_tokens: int,
+        block_hashes: list[BlockHash],
+        skip_reading_prefix_cache: bool,
+        kv_transfer_params: dict[str, Any] | None,
+        prompt_token_ids: list[int] | None,
+    ) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.block_hashes = block_hashes
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.num_in_flight_tokens = 0
+        # vLLM 0.26+ reads this when publishing cached blocks; 0 = no
+        # sparse-retention boundary.
+        self.shared_prefix_boundary = 0
+        self.kv_transfer_params = kv_transfer_params
+        self.prompt_token_ids = prompt_token_ids
+
+
+class DiffusionKVRequest(_NativeRequestSurface):
+    """One execution sequence (CFG row) of a public request: ``[prefix | target]``.
+
+    ``request_id`` is the internal id, by convention
+    ``sequence_request_id(public_id, sequence_id)``. ``prefix_len`` is the
+    contiguous reusable prefix (text tokens), ``target_len`` the span every
+    denoise step overwrites (image tokens), ``seq_len`` the full first-step
+    allocation boundary (``prefix_len + target_len <= seq_len``).
+
+    Empty ``block_hashes`` means the prefix has no canonical cache identity
+    yet: the row gets request-local pages and is never published.
+
+    The object is Scheduler-only mutable state. The attributes set by
+    ``_NativeRequestSurface`` are the native ``Request`` surface read by vLLM's
+    ``KVCacheManager``; the manager mutates ``num_computed_tokens`` and
+    ``shared_prefix_boundary`` and resets them on release.
+    """
+
+    __slots__ = ("sequence_id", "prefix_len", "target_len", "kv_contexts")
 
     def __init__(
         self,
@@ -184,26 +217,20 @@ class DiffusionKVRequest:
         if len(set(context_ids)) != len(context_ids):
             raise ValueError(f"kv_contexts must have unique context_id values, got {context_ids}")
 
-        self.request_id = request_id
         self.sequence_id = sequence_id
         self.prefix_len = prefix_len
         self.target_len = target_len
         self.kv_contexts: tuple[DiffusionKVContext, ...] = contexts
-
-        # Native Request surface (vllm.v1.request.Request) read by KVCacheManager.
-        self.num_tokens = seq_len
-        self.num_prompt_tokens = prefix_len
-        self.num_computed_tokens = 0
-        self.block_hashes: list[BlockHash] = list(block_hashes)
-        self.skip_reading_prefix_cache = not self.block_hashes
-        self.status = RequestStatus.WAITING
-        self.num_preemptions = 0
-        self.num_in_flight_tokens = 0
-        # vLLM 0.26+ reads this when publishing cached blocks; 0 = no
-        # sparse-retention boundary.
-        self.shared_prefix_boundary = 0
-        self.kv_transfer_params = kv_transfer_params
-        self.prompt_token_ids = prompt_token_ids
+        hashes = list(block_hashes)
+        super().__init__(
+            request_id,
+            num_tokens=seq_len,
+            num_prompt_tokens=prefix_len,
+            block_hashes=hashes,
+            skip_reading_prefix_cache=not hashes,
+            kv_transfer_params=kv_transfer_params,
+            prompt_token_ids=prompt_token_ids,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -218,7 +245,7 @@ class DiffusionKVRequest:
         )
 
 
-class _ContextKVRequest:
+class _ContextKVRequest(_NativeRequestSurface):
     """Native-request-shaped shim through which the allocator reserves one context row.
 
     The manager keeps shims apart from the sequence collection, so no
@@ -228,36 +255,19 @@ class _ContextKVRequest:
     never carries KV-transfer parameters.
     """
 
-    __slots__ = (
-        "request_id",
-        "context",
-        "num_tokens",
-        "num_prompt_tokens",
-        "num_computed_tokens",
-        "block_hashes",
-        "skip_reading_prefix_cache",
-        "status",
-        "num_preemptions",
-        "num_in_flight_tokens",
-        "shared_prefix_boundary",
-        "kv_transfer_params",
-        "prompt_token_ids",
-    )
+    __slots__ = ("context",)
 
     def __init__(self, public_request_id: str, context: DiffusionKVContext) -> None:
-        self.request_id = context_request_id(public_request_id, context.context_id)
         self.context = context
-        self.num_tokens = context.num_tokens
-        self.num_prompt_tokens = context.num_tokens
-        self.num_computed_tokens = 0
-        self.block_hashes: list[BlockHash] = list(context.block_hashes)
-        self.skip_reading_prefix_cache = True
-        self.status = RequestStatus.WAITING
-        self.num_preemptions = 0
-        self.num_in_flight_tokens = 0
-        self.shared_prefix_boundary = 0
-        self.kv_transfer_params = None
-        self.prompt_token_ids = None
+        super().__init__(
+            context_request_id(public_request_id, context.context_id),
+            num_tokens=context.num_tokens,
+            num_prompt_tokens=context.num_tokens,
+            block_hashes=list(context.block_hashes),
+            skip_reading_prefix_cache=True,
+            kv_transfer_params=None,
+            prompt_token_ids=None,
+        )
 
     @property
     def context_id(self) -> str:

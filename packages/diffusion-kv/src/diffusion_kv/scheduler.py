@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
+from diffusion_kv._validation import is_positive_int
 from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
 from diffusion_kv.manager import DiffusionKVCacheManager
 from diffusion_kv.metadata import DiffusionKVMetadata
@@ -136,7 +137,7 @@ class DiffusionKVScheduler:
     """
 
     def __init__(self, manager: DiffusionKVCacheManager, *, max_num_seqs: int = 1) -> None:
-        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs <= 0:
+        if not is_positive_int(max_num_seqs):
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.manager = manager
         self.max_num_running_reqs = max_num_seqs

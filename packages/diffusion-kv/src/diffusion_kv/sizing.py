@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from diffusion_kv import _vllm
+from diffusion_kv._validation import check_positive_int
 from diffusion_kv.specs import AttentionCacheSpec
 
 NO_MEMORY_LEFT_HINT = "Increase gpu_memory_utilization or reduce the maximum profile request shape."
@@ -34,7 +35,7 @@ def kv_cache_bytes_per_block(specs: dict[str, AttentionCacheSpec], block_size: i
     """Bytes one block id costs across every cache-enabled layer (each layer has its own page)."""
     if not specs:
         raise ValueError("no cache-enabled layers to size a KV pool for")
-    _check_positive("block_size", block_size)
+    check_positive_int("block_size", block_size)
     return sum(spec.page_size_bytes(block_size) for spec in specs.values())
 
 
@@ -161,9 +162,9 @@ def build_kv_cache_configs(
         raise ValueError(
             f"need one spec dict and one memory budget per rank, got {len(rank_specs)} and {len(available_memory)}"
         )
-    _check_positive("block_size", block_size)
+    check_positive_int("block_size", block_size)
     if max_model_len != -1:
-        _check_positive("max_model_len (or -1 to auto-fit)", max_model_len)
+        check_positive_int("max_model_len (or -1 to auto-fit)", max_model_len)
     for rank, (specs, memory) in enumerate(zip(rank_specs, available_memory)):
         if specs != rank_specs[0]:
             raise ValueError(f"rank {rank} discovered different cache layers than rank 0; every rank needs the same")
@@ -210,11 +211,6 @@ def _build_builtin_configs(rank_specs, available_memory, block_size, max_model_l
         page_size_bytes=tuple(spec.page_size_bytes(block_size) for spec in specs.values()),
     )
     return KVCacheConfigs(tuple(config for _ in rank_specs), config, num_blocks, block_size, resolved, "builtin")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _cuda_device(device: torch.device | str, what: str) -> torch.device:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffusion_kv._validation import check_positive_int
+
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -37,9 +39,7 @@ class KVCacheOptIn:
         if not isinstance(self.cache_role, str) or not self.cache_role:
             raise ValueError(f"cache_role must be a non-empty str, got {self.cache_role!r}")
         for name in ("num_kv_heads", "head_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.dtype not in CACHE_DTYPES:
             raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {self.dtype!r}")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffusion_kv._validation import check_positive_int, is_int
 from diffusion_kv.metadata import DiffusionKVMetadata
 
 PRIMARY_ROLE = "primary"
@@ -87,8 +88,7 @@ class WorkerRowTable:
             ("block_size", block_size),
             ("max_model_len", max_model_len),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, value)
         if num_rows % max_rows_per_request:
             raise ValueError(
                 f"num_rows ({num_rows}) must be a multiple of max_rows_per_request ({max_rows_per_request}): "
@@ -199,7 +199,7 @@ class WorkerRowTable:
         if not isinstance(metadata.request_id, str) or not metadata.request_id:
             raise ValueError(f"Diffusion KV metadata request_id must be a non-empty str, got {metadata.request_id!r}")
         generation = metadata.allocation_generation
-        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        if not is_int(generation) or generation < 0:
             raise ValueError(f"allocation_generation must be an int >= 0, got {generation!r}")
         if not metadata.sequences:
             raise ValueError(f"Diffusion KV request {metadata.request_id!r} has no sequences to install")
@@ -230,7 +230,7 @@ class WorkerRowTable:
             if identity in seen:
                 raise ValueError(f"Duplicate diffusion KV row identity: {identity}")
             seen.add(identity)
-            if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            if not is_int(num_tokens) or num_tokens < 0:
                 raise ValueError(f"Diffusion KV row {identity} token length must be an int >= 0, got {num_tokens!r}")
             if not isinstance(role, str) or not role:
                 raise ValueError(f"Diffusion KV row {identity} cache role must be a non-empty str, got {role!r}")
@@ -251,7 +251,7 @@ class WorkerRowTable:
                     f"{self.max_blocks_per_row} blocks (max_model_len={self.max_model_len})"
                 )
             for block_id in block_ids:
-                if not isinstance(block_id, int) or isinstance(block_id, bool) or not 0 <= block_id < self.num_blocks:
+                if not is_int(block_id) or not 0 <= block_id < self.num_blocks:
                     raise ValueError(
                         f"Diffusion KV row {identity} holds block id {block_id!r}; ids must be ints in "
                         f"[0, {self.num_blocks})"
