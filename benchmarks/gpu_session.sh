@@ -33,7 +33,7 @@ for s in "${steps[@]}"; do
     fp8_cache) step fp8_cache 120 python3 benchmarks/fp8_cache.py --out "$R" ;;
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
     prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
-    # The GPU image lacks the server's web stack: carry cp312 wheels in .whl/ (see benchmarks/README.md).
+    # The GPU image lacks the server's web stack: carry cp312 wheels in .whl/ (benchmarks/README.md says how).
     server_overhead) step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
                        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
                      PYTHONPATH=/tmp/site:$PYTHONPATH step server_overhead 240 python3 benchmarks/server_overhead.py --out "$R" ;;
