@@ -72,3 +72,13 @@ def test_scorer_detects_wrong_attributes_and_empty_images():
     reading = read_scenes(blank)[0]
     assert reading.shape == -1 and COLOR_NAMES[reading.background] == "black"
     assert reading.describe() == "no shape on a black background"
+
+
+def test_an_reads_as_the_article_and_captions_use_it_before_vowels() -> None:
+    tokenizer = Tokenizer()
+    assert tokenizer.encode("an orange circle on an orange background") == tokenizer.encode(
+        "a orange circle on a orange background"
+    )
+    scene = SceneSpec(shape=0, color=COLOR_NAMES.index("orange"), position=0, background=COLOR_NAMES.index("blue"))
+    assert scene.caption().startswith("an orange ")
+    assert scene.caption().endswith(" on a blue background")

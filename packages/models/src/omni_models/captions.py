@@ -41,6 +41,12 @@ VOCABULARY: tuple[str, ...] = (
 # Words are runs of letters; any other run of characters (except the punctuation .,!) is an unknown "word", so
 # special tokens such as "<bos>" can never be typed into a prompt.
 _WORD_PATTERN = re.compile(r"[a-z]+|[^\sa-z.,!]+")
+# Spellings that mean the same token: "an orange" is read as "a orange" (the vocabulary has the article once).
+WORD_ALIASES: dict[str, str] = {"an": "a"}
+
+
+def _article(next_word: str) -> str:
+    return "an" if next_word[0] in "aeiou" else "a"
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,12 @@ class SceneSpec:
     background: int
 
     def caption(self, *, with_position: bool = True, with_background: bool = True) -> str:
-        words = ["a", COLOR_NAMES[self.color], SHAPE_NAMES[self.shape]]
+        color, background = COLOR_NAMES[self.color], COLOR_NAMES[self.background]
+        words = [_article(color), color, SHAPE_NAMES[self.shape]]
         if with_position:
             words += ["at", "the", POSITION_NAMES[self.position]]
         if with_background:
-            words += ["on", "a", COLOR_NAMES[self.background], "background"]
+            words += ["on", _article(background), background, "background"]
         return " ".join(words)
 
 
@@ -80,13 +87,13 @@ class Tokenizer:
         return [BOS_ID]
 
     def encode(self, prompt: str, *, param: str = "prompt") -> list[int]:
-        """Lower-cases, drops ``.,!`` and maps each word to its id, with BOS first.
+        """Lower-cases, drops ``.,!``, reads ``WORD_ALIASES`` and maps each word to its id, with BOS first.
 
         Raises InvalidRequestError naming every unknown word, or when the prompt is longer than ``max_tokens``.
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"{param} must be a string, got {type(prompt).__name__}", param=param)
-        words = _WORD_PATTERN.findall(prompt.lower())
+        words = [WORD_ALIASES.get(word, word) for word in _WORD_PATTERN.findall(prompt.lower())]
         unknown = [word for word in words if word not in self._ids]
         if unknown:
             known = ", ".join(self.vocabulary[2:])
