@@ -98,3 +98,59 @@ def test_random_adds_and_aborts_finish_every_request_once_and_free_every_block(e
     assert any(output.aborted for output in finished) and any(not output.aborted for output in finished)
     assert _blocks_in_use(engine) == 0
     assert not engine._scheduler.has_requests()
+
+
+def test_a_request_that_breaks_a_shared_forward_fails_alone(monkeypatch) -> None:
+    monkeypatch.setenv("OMNI_SERVER_FAULT_PROMPT", "a black triangle")  # read when the engine is built
+    engine = build_engine(build_config(None, model=MODEL, device="cpu", max_num_seqs=3,
+                                       kv_cache_memory_bytes="24M", warmup=False))
+    try:
+        steps: list[list[str]] = []
+        real_step = engine._pipeline.run_denoise_step
+
+        def recording_step(batch):
+            steps.append(sorted(scheduled.job.request_id for scheduled in batch))
+            real_step(batch)
+
+        monkeypatch.setattr(engine._pipeline, "run_denoise_step", recording_step)
+        engine.add("good", _params(steps=2, guidance=4.0))
+        engine.add("bad", _params(steps=2, prompt="a black triangle"))
+        finished = {output.request_id: output for output in _run_until_idle(engine)}
+        assert finished["bad"].error is not None and finished["bad"].error.kind == "engine"
+        assert "injected engine fault" in finished["bad"].error.message
+        assert finished["good"].error is None and len(finished["good"].images) == 1
+        # "good" took exactly its two steps, each once: the failed batch never advanced it twice.
+        assert steps == [["good"], ["good"]]
+
+        engine.add("alone", _params(steps=2, guidance=4.0))
+        alone = {output.request_id: output for output in _run_until_idle(engine)}["alone"]
+        assert alone.images == finished["good"].images  # same request, same seed: same PNG bytes
+        assert _blocks_in_use(engine) == 0
+    finally:
+        engine.close()
+
+
+def test_a_batch_that_fails_after_stepping_still_fails_only_its_culprit(engine, monkeypatch) -> None:
+    """The forward raises after the jobs advanced: the retry fails the culprit, the other job's image is right."""
+    real_step = engine._pipeline.run_denoise_step
+    advances: dict[str, int] = {}
+
+    def step_then_fail_with_bad(batch):
+        real_step(batch)
+        for scheduled in batch:
+            advances[scheduled.job.request_id] = advances.get(scheduled.job.request_id, 0) + 1
+        if any(scheduled.job.request_id == "bad" for scheduled in batch):
+            raise RuntimeError("forward failed after stepping")
+
+    monkeypatch.setattr(engine._pipeline, "run_denoise_step", step_then_fail_with_bad)
+    engine.add("good", _params(steps=3, guidance=4.0))
+    engine.add("bad", _params(steps=3, prompt="a blue square"))
+    finished = {output.request_id: output for output in _run_until_idle(engine)}
+    assert finished["bad"].error is not None and "after stepping" in finished["bad"].error.message
+    assert finished["good"].error is None and advances["good"] == 3
+
+    monkeypatch.setattr(engine._pipeline, "run_denoise_step", real_step)
+    engine.add("alone", _params(steps=3, guidance=4.0))
+    alone = {output.request_id: output for output in _run_until_idle(engine)}["alone"]
+    assert alone.images == finished["good"].images
+    assert _blocks_in_use(engine) == 0

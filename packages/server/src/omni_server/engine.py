@@ -89,7 +89,7 @@ def request_error(exc: BaseException) -> RequestError:
 def fault_injection_hook() -> Callable[[GenerationParams], None]:
     """Test-only fault injection, off unless ``OMNI_SERVER_FAULT_PROMPT`` is set in the engine's environment.
 
-    A request whose prompt equals that value raises inside the engine, which lets the
+    A request whose prompt equals that value raises in every forward that includes it, which lets the
     end-to-end tests prove that one failing request gets a 500 and the server lives on.
     """
     trigger = os.environ.get("OMNI_SERVER_FAULT_PROMPT")

@@ -304,18 +304,40 @@ class PagedEngine:
         ]
 
     def _execute(self, running: Sequence[_PublicRequest]) -> None:
-        """Prefix for newly admitted jobs, then one denoise step for every running job, batched."""
+        """Prefix for newly admitted jobs, then one denoise step for every running job, batched.
+
+        A batch that raises is run again one request at a time, so only the request that fails is failed and
+        the engine lives on. Retrying is safe even when the batch raised after stepping: a job's latents and
+        step index advance together, so a job the batch already advanced just takes its next step.
+        """
         try:
-            fresh = [s for r in running for s in r.scheduled if not s.job.prefix_written]
-            if fresh:
-                self._pipeline.run_prefix(fresh)
-            batch = [s for r in running for s in r.scheduled if not s.job.finished]
-            if batch:
-                self._pipeline.run_denoise_step(batch)
-        except Exception as exc:  # a failed batch fails its requests, never the engine
-            logger.exception("batched forward failed for requests %s", [r.request_id for r in running])
-            for request in running:
-                self._fail(request.request_id, request_error(exc))
+            self._forward(running)
+            return
+        except Exception as exc:
+            if len(running) == 1:
+                self._fail_forward(running[0], exc)
+                return
+            logger.warning("batched forward for %d requests failed (%s); running them one at a time",
+                           len(running), exc)
+        for request in running:
+            try:
+                self._forward([request])
+            except Exception as exc:
+                self._fail_forward(request, exc)
+
+    def _fail_forward(self, request: _PublicRequest, exc: Exception) -> None:
+        logger.error("forward failed for request %s", request.request_id, exc_info=exc)
+        self._fail(request.request_id, request_error(exc))
+
+    def _forward(self, requests: Sequence[_PublicRequest]) -> None:
+        for request in requests:
+            self._check_fault(request.params)
+        fresh = [s for r in requests for s in r.scheduled if not s.job.prefix_written]
+        if fresh:
+            self._pipeline.run_prefix(fresh)
+        batch = [s for r in requests for s in r.scheduled if not s.job.finished]
+        if batch:
+            self._pipeline.run_denoise_step(batch)
 
     def _complete_finished(self, running: Sequence[_PublicRequest]) -> list[str]:
         completed = []
@@ -323,7 +345,6 @@ class PagedEngine:
             if request.request_id in self._failed or not all(job.finished for job in request.jobs):
                 continue
             try:
-                self._check_fault(request.params)
                 request.images = [encode_png(self._pipeline.decode(job)) for job in request.jobs]
             except Exception as exc:
                 logger.exception("decoding request %s failed", request.request_id)
