@@ -15,6 +15,8 @@ from fp8_cache import (
     FP8Linear,
     NonFiniteWeightError,
     dequantize,
+    fp8_weight_names,
+    load_fp8_state_dict,
     per_tensor_scale,
     quantize_model,
     quantize_per_tensor,
@@ -163,3 +165,39 @@ def test_quantize_model_skips_meta_weights_and_rejects_a_bare_string():
     assert report.quantized == [] and "meta device" in report.skipped["blocks.0.qkv"]
     with pytest.raises(TypeError, match="sequence of fnmatch patterns"):
         quantize_model(_Model(), ignore="head")
+
+
+class _Mixed(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 32, dtype=dtype)  # 2-D "weight", but no linear: never FP8
+        self.up = nn.Linear(32, 64, dtype=dtype)
+        self.odd = nn.Linear(32, 20, dtype=dtype)  # 20 is not a multiple of 16: stays high precision
+        self.head = nn.Linear(64, 32, dtype=dtype)
+
+
+def test_fp8_weight_names_are_what_quantize_model_swaps_and_change_nothing():
+    torch.manual_seed(0)
+    model = _Mixed(torch.float32)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    names = fp8_weight_names(model, ignore=["head"])
+    assert names == ["up.weight"]
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert not any(isinstance(module, FP8Linear) for module in model.modules())
+    assert quantize_model(model, ignore=["head"]).quantized_weight_names == names
+
+
+def test_installing_a_state_dict_of_another_dtype_keeps_the_model_dtype():
+    torch.manual_seed(0)
+    source = _Mixed(torch.bfloat16)  # e.g. a bf16 checkpoint
+    quantize_model(source, ignore=["head"])
+    target = _Mixed(torch.float32)  # a model that computes in fp32
+    report = load_fp8_state_dict(target, source.state_dict())
+    assert report.quantized == ["up"]
+    assert target.up.weight.dtype == FP8_DTYPE and target.up.weight_scale.dtype == torch.float32
+    assert torch.equal(target.up.weight.view(torch.uint8), source.up.weight.view(torch.uint8))
+    for name in ("embed.weight", "odd.weight", "head.weight", "head.bias", "up.bias"):
+        assert target.get_parameter(name).dtype == torch.float32, name
+        assert torch.equal(target.get_parameter(name), source.get_parameter(name).float()), name
+    out = target.head(target.up(torch.randn(4, 32)))
+    assert out.dtype == torch.float32

@@ -34,6 +34,7 @@ from fp8_cache.build import (
 from fp8_cache.linear import (
     FP8Linear,
     QuantizationReport,
+    fp8_weight_names,
     load_fp8_state_dict,
     quantize_activation,
     quantize_model,
@@ -51,6 +52,7 @@ from fp8_cache.quant import (
 )
 
 __all__ = [
+    "fp8_weight_names",
     "CACHE_COMPLETE_NAME",
     "CACHE_INDEX_NAME",
     "CACHE_KIND",

@@ -191,6 +191,39 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def _select_linears(model: nn.Module, ignore: Sequence[str]) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
+    """(the ``nn.Linear`` layers FP8 applies to, {kept layer: reason}): the one eligibility rule of this library."""
+    if isinstance(ignore, str):
+        raise TypeError("ignore must be a sequence of fnmatch patterns, not a single string; wrap it in a list")
+    candidates: list[tuple[str, nn.Linear]] = []
+    skipped: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        pattern = _ignored(name, ignore)
+        if pattern is not None:
+            skipped[name] = f"matches ignore pattern {pattern!r}"
+        elif (reason := unsupported_shape_reason(module.in_features, module.out_features)) is not None:
+            skipped[name] = reason
+        elif module.weight.device.type == "meta":
+            skipped[name] = "weight is on the meta device; load weights before quantizing"
+        elif not module.weight.is_floating_point():
+            skipped[name] = f"weight dtype {module.weight.dtype} is not floating point"
+        else:
+            candidates.append((name, module))
+    return candidates, skipped
+
+
+def fp8_weight_names(model: nn.Module, *, ignore: Sequence[str] = ()) -> list[str]:
+    """State-dict names of the weights :func:`quantize_model` would make FP8, without changing ``model``.
+
+    Pass them as ``quantize=`` to :func:`load_fp8_weights` so a cache holds exactly what online quantization
+    would produce (a name pattern alone would also match, say, an embedding table).
+    """
+    candidates, _ = _select_linears(model, ignore)
+    return [f"{name}.weight" for name, _ in candidates]
+
+
 def quantize_model(model: nn.Module, *, ignore: Sequence[str] = ()) -> QuantizationReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for an :class:`FP8Linear`, in place.
 
@@ -199,24 +232,8 @@ def quantize_model(model: nn.Module, *, ignore: Sequence[str] = ()) -> Quantizat
     materialized (meta device). Weights are quantized on the device they live on. Raises
     ``NonFiniteWeightError`` (before changing anything) if an eligible weight holds NaN or infinity.
     """
-    if isinstance(ignore, str):
-        raise TypeError("ignore must be a sequence of fnmatch patterns, not a single string; wrap it in a list")
-    report = QuantizationReport()
-    candidates: list[tuple[str, nn.Linear]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        pattern = _ignored(name, ignore)
-        if pattern is not None:
-            report.skipped[name] = f"matches ignore pattern {pattern!r}"
-        elif (reason := unsupported_shape_reason(module.in_features, module.out_features)) is not None:
-            report.skipped[name] = reason
-        elif module.weight.device.type == "meta":
-            report.skipped[name] = "weight is on the meta device; load weights before quantizing"
-        elif not module.weight.is_floating_point():
-            report.skipped[name] = f"weight dtype {module.weight.dtype} is not floating point"
-        else:
-            candidates.append((name, module))
+    candidates, skipped = _select_linears(model, ignore)
+    report = QuantizationReport(skipped=skipped)
     scales = {name: per_tensor_scale(module.weight.detach()) for name, module in candidates}
     require_finite_scales(scales)
     for name, module in candidates:
@@ -227,15 +244,24 @@ def quantize_model(model: nn.Module, *, ignore: Sequence[str] = ()) -> Quantizat
     return report
 
 
-
 def load_fp8_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> QuantizationReport:
     """Install an FP8 runtime state dict (e.g. a cache hit) into ``model`` without quantizing anything.
 
     Every ``nn.Linear`` whose ``<name>.weight`` in ``state_dict`` is FP8 (with ``<name>.weight_scale``) becomes
-    an :class:`FP8Linear`; then the whole state dict is assigned (``strict``, tensors used as given, so a model
-    built on the meta device is materialized directly on the tensors' device). Raises ``ValueError`` naming
-    the layer, before changing the model, if an FP8 weight has no scale or does not fit its layer.
+    an :class:`FP8Linear`; then the whole state dict is assigned (``strict``; a model built on the meta device is
+    materialized directly on the tensors' device). FP8 weights and their scales are used as given; a
+    high-precision tensor takes the dtype of the parameter or buffer it replaces, so installing a checkpoint
+    stored in another dtype never changes the model's compute dtype. Raises ``ValueError`` naming the layer,
+    before changing the model, if an FP8 weight has no scale or does not fit its layer.
     """
+    model_dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    state_dict = {
+        name: tensor.to(model_dtypes[name])
+        if tensor.is_floating_point() and tensor.dtype != FP8_DTYPE and name in model_dtypes
+        and model_dtypes[name] != FP8_DTYPE and tensor.dtype != model_dtypes[name]
+        else tensor
+        for name, tensor in state_dict.items()
+    }
     report = QuantizationReport()
     swaps: list[tuple[str, FP8Linear]] = []
     for name, module in model.named_modules():

@@ -11,7 +11,6 @@ plan); this module only applies those declarations in the right order:
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from typing import Any
 
@@ -55,9 +54,7 @@ def load_pipeline(config: ServerConfig) -> Any:
 
 def _install_cached_fp8(pipeline: Any, config: ServerConfig) -> None:
     """Replace the declared linears with ``FP8Linear``s holding the cached (or freshly quantized) FP8 weights."""
-    from fp8_cache import FP8Linear, load_fp8_weights
-    from fp8_cache.linear import unsupported_shape_reason
-    from torch import nn
+    from fp8_cache import fp8_weight_names, load_fp8_state_dict, load_fp8_weights
 
     from omni_models.hub import resolve_model_dir
     from omni_models.integrations import FP8_IGNORE
@@ -65,24 +62,9 @@ def _install_cached_fp8(pipeline: Any, config: ServerConfig) -> None:
     model = pipeline.model
     sources = sorted(str(path) for path in resolve_model_dir(config.model).glob("*.safetensors"))
     device = next(model.parameters()).device
-    # Exactly the weights quantize_model would swap: linears the model does not ignore, with FP8-able shapes
-    # (name patterns alone would also match 2-D embedding tables).
-    linears = [
-        f"{name}.weight" for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in FP8_IGNORE)
-        and unsupported_shape_reason(module.in_features, module.out_features) is None
-    ]
+    # Exactly the weights online quantization would swap, so a hit equals quantize_fp8 bit for bit.
+    linears = fp8_weight_names(model, ignore=FP8_IGNORE)
     result = load_fp8_weights(sources, config.fp8_cache_dir, device=device, quantize=linears)
-    for weight_name in result.quantized:
-        module_name = weight_name.removesuffix(".weight")
-        linear = model.get_submodule(module_name)
-        if not isinstance(linear, nn.Linear):
-            raise RuntimeError(f"FP8 cache names {weight_name!r}, but {module_name} is a {type(linear).__name__}")
-        parent_name, _, child = module_name.rpartition(".")
-        fp8 = FP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device=device,
-                        bias_dtype=linear.weight.dtype)
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, fp8)
-    # load_state_dict copies into the existing parameters, so high-precision tensors keep the model's dtype.
-    model.load_state_dict(result.tensors, strict=True)
+    report = load_fp8_state_dict(model, result.tensors)
     logger.info("FP8 cache %s: %s (%d FP8 linears)", config.fp8_cache_dir,
-                "hit" if result.hit else f"miss ({result.reason})", len(result.quantized))
+                "hit" if result.hit else f"miss ({result.reason})", len(report.quantized))
