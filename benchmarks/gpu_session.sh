@@ -21,6 +21,11 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 40 "$R/$name.log"
 }
 
+install_server_wheels() {
+  [ -d /tmp/site ] || step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
+
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
 git rev-parse HEAD >"$R/commit.txt" 2>/dev/null || true
@@ -34,9 +39,10 @@ for s in "${steps[@]}"; do
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
     prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
     # The GPU image lacks the server's web stack: carry cp312 wheels in .whl/ (benchmarks/README.md says how).
-    server_overhead) step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
-                       --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    server_overhead) install_server_wheels
                      PYTHONPATH=/tmp/site:$PYTHONPATH step server_overhead 240 python3 benchmarks/server_overhead.py --out "$R" ;;
+    composed) install_server_wheels
+              PYTHONPATH=/tmp/site:$PYTHONPATH step composed 200 python3 benchmarks/composed_pipeline.py --out "$R" ;;
     *) echo "unknown step $s" ;;
   esac
 done
