@@ -45,7 +45,8 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(name: str, device: torch.device, prompts: list[str], steps: int) -> tuple[dict, torch.Tensor]:
+def run_variant(name: str, device: torch.device, scenes: list, steps: int) -> tuple[dict, torch.Tensor]:
+    prompts = [scene.caption() for scene in scenes]
     config = build_config(None, model="omni-shapes-tiny", device=str(device), **VARIANTS[name])
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -58,7 +59,7 @@ def run_variant(name: str, device: torch.device, prompts: list[str], steps: int)
     synchronize(device)
     seconds = time.perf_counter() - start
     pixels = torch.stack([torch.from_numpy(np.array(image, dtype=np.int16)) for image in images])
-    result = {"seconds": seconds, "dtype": str(pipe.dtype)}
+    result = {"seconds": seconds, "dtype": str(pipe.dtype), "adherence": adherence(read_scenes(images), scenes)}
     if device.type == "cuda":
         result["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return result, pixels
@@ -76,13 +77,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.prompts, args.steps = 4, 3
     device = torch.device(args.device)
     scenes = split_scenes()[1][: args.prompts]
-    prompts = [scene.caption() for scene in scenes]
 
     results: dict[str, dict] = {}
     baseline: torch.Tensor | None = None
     for name in VARIANTS:
-        result, pixels = run_variant(name, device, prompts, args.steps)
-        result["adherence"] = adherence(read_scenes([pixels_to_image(p) for p in pixels]), scenes)
+        result, pixels = run_variant(name, device, scenes, args.steps)
         if baseline is None:
             baseline = pixels
         difference = (pixels - baseline).abs().float()
@@ -106,12 +105,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "composed_pipeline.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def pixels_to_image(pixels: torch.Tensor):
-    from PIL import Image
-
-    return Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy())
 
 
 if __name__ == "__main__":
