@@ -28,7 +28,8 @@ install_server_wheels() {
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
-git rev-parse HEAD >"$R/commit.txt" 2>/dev/null || true
+# A snapshot (benchmarks/README.md) names its commit in COMMIT; the device copy of a working tree has no .git.
+cat COMMIT >"$R/commit.txt" 2>/dev/null || git rev-parse --short HEAD >"$R/commit.txt" 2>/dev/null || echo "working tree, commit unknown" >"$R/commit.txt"
 for s in "${steps[@]}"; do
   case $s in
     env) step env 30 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"' ;;
