@@ -257,8 +257,8 @@ def load_fp8_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
     model_dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
     state_dict = {
         name: tensor.to(model_dtypes[name])
-        if tensor.is_floating_point() and tensor.dtype != FP8_DTYPE and name in model_dtypes
-        and model_dtypes[name] != FP8_DTYPE and tensor.dtype != model_dtypes[name]
+        # FP8 tensors, and names the model lacks (checked by load_state_dict below), are kept as given.
+        if tensor.is_floating_point() and FP8_DTYPE not in (tensor.dtype, model_dtypes.get(name, FP8_DTYPE))
         else tensor
         for name, tensor in state_dict.items()
     }
