@@ -26,7 +26,7 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from diffusion_kv import paged_attention, write_kv_cache  # noqa: E402
+from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
 
 TOKENS_PER_SHAPE = 16384  # B = max(1, TOKENS_PER_SHAPE // S): enough programs to fill the GPU at S=1k
 
@@ -68,19 +68,18 @@ def run_shape(batch, seq_len, page, heads, head_size, dtype, device, gen):
     perm = torch.randperm(num_blocks, generator=gen)
     block_tables = perm.view(batch, blocks_per_row).to(device=device, dtype=torch.int32)
     kv_cache = torch.empty(num_blocks, 2, page, heads, head_size, device=device, dtype=dtype)
-    pos = torch.arange(seq_len, device=device)
-    slots = (block_tables.long()[:, pos // page] * page + pos % page).reshape(-1)
-    write_kv_cache(k.reshape(-1, heads, head_size), v.reshape(-1, heads, head_size), kv_cache, slots)
+    # Every query of a row attends to all of its keys: one metadata both writes the rows and attends.
+    metadata = PagedAttentionMetadata.build(
+        block_tables, block_size=page, query_lens=[seq_len] * batch, seq_lens=[seq_len] * batch,
+        query_pos_start=[0] * batch,
+    )
+    write_kv_cache(k.reshape(-1, heads, head_size), v.reshape(-1, heads, head_size), kv_cache, metadata)
     query = q.reshape(-1, heads, head_size)
-    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * seq_len
-    seq_lens = torch.full((batch,), seq_len, device=device, dtype=torch.int32)
-    pos_start = torch.zeros(batch, device=device, dtype=torch.int32)
     out = torch.empty_like(query)
     backend = "triton" if device == "cuda" or SMOKE else "torch"
 
     def paged():
-        paged_attention(query, kv_cache, block_tables, qsl, seq_lens, pos_start, out=out,
-                        max_query_len=seq_len, backend=backend)
+        paged_attention(query, kv_cache, metadata, out=out, backend=backend)
 
     def dense():
         dense_sdpa(q, k, v)

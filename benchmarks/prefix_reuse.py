@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni_models import paged
 from omni_models.checkpoint import save_config, save_weights
 from omni_models.config import DiTConfig, large_config
 from omni_models.flow import euler_times, initial_noise
@@ -70,34 +69,35 @@ def make_job(config: DiTConfig, prefix_len: int, height: int, width: int, steps:
                          times=tuple(euler_times(steps).tolist()))
 
 
-def run_image(pipe: Pipeline, template: GenerationJob, block_size: int, *, reuse: bool) -> GenerationJob:
+def run_image(pipe: Pipeline, template: GenerationJob, rows: tuple, *, reuse: bool) -> GenerationJob:
+    """A fresh copy of the job through every step on the bound pool, whose row table holds ``rows``."""
     job = GenerationJob(request=template.request, rows=template.rows, latents=template.latents.to(pipe.device),
                         times=template.times)
-    blocks_per_row = -(-template.rows[0].num_tokens // block_size)
-    tables = tuple(list(range(i * blocks_per_row, (i + 1) * blocks_per_row)) for i in range(len(job.rows)))
-    batch = [ScheduledJob(job, tables)]
+    batch = [ScheduledJob(job, rows)]
     if reuse:
-        paged.write_prefix(pipe.model, batch, pipe.kv_caches)
+        pipe.run_prefix(batch)
     for _ in range(job.num_steps):
-        paged.denoise_step(pipe.model, batch, pipe.kv_caches, recompute_prefix=not reuse)
+        pipe.run_denoise_step(batch, recompute_prefix=not reuse)
     return job
 
 
-def timed(pipe: Pipeline, job: GenerationJob, block_size: int, reuse: bool, repeats: int) -> tuple[list[float], torch.Tensor]:
-    run_image(pipe, job, block_size, reuse=reuse)  # warm-up (kernel compilation, allocator)
+def timed(
+    pipe: Pipeline, job: GenerationJob, rows: tuple, reuse: bool, repeats: int
+) -> tuple[list[float], torch.Tensor]:
+    run_image(pipe, job, rows, reuse=reuse)  # warm-up (kernel compilation, allocator)
     times = []
     result = None
     for _ in range(repeats):
         if pipe.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            result = run_image(pipe, job, block_size, reuse=reuse)
+            result = run_image(pipe, job, rows, reuse=reuse)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
-            result = run_image(pipe, job, block_size, reuse=reuse)
+            result = run_image(pipe, job, rows, reuse=reuse)
             times.append(time.perf_counter() - t0)
     return times, result.latents.float()
 
@@ -166,11 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
     setup_s = time.perf_counter() - t0
 
     job = make_job(config, args.prompt_tokens, args.image_size, args.image_size, args.steps, seed=1)
-    blocks_per_row = -(-job.rows[0].num_tokens // args.block_size)
-    pipe.allocate_kv_caches(blocks_per_row * len(job.rows), args.block_size)
+    rows = pipe.allocate_kv_caches_for([job], args.block_size)[0].rows  # a pool of exactly the job's rows
 
-    reuse_times, reuse_latents = timed(pipe, job, args.block_size, True, args.repeats)
-    recompute_times, recompute_latents = timed(pipe, job, args.block_size, False, args.repeats)
+    reuse_times, reuse_latents = timed(pipe, job, rows, True, args.repeats)
+    recompute_times, recompute_latents = timed(pipe, job, rows, False, args.repeats)
     t_reuse, t_recompute = statistics.median(reuse_times), statistics.median(recompute_times)
 
     prefix_flops, target_flops = layer_flops(config, args.prompt_tokens, job.rows[0].target_len)

@@ -17,6 +17,7 @@ from diffusion_kv import (
     BlockAllocator,
     BlockPoolConfig,
     DiffusionKVRequest,
+    PagedAttentionMetadata,
     _vllm,
     sequence_request_id,
     write_kv_cache,
@@ -141,14 +142,28 @@ def sdpa_row(q, k, v, mask=None, scale=None):
     return out.transpose(0, 1)
 
 
+def row_metadata(block_tables, rows, page_size, device, causal_prefix_lens=None) -> PagedAttentionMetadata:
+    """Metadata of rows given as `(query_pos_start, num_queries)`, each attending up to its last query."""
+    return PagedAttentionMetadata.build(
+        as_i32(block_tables, device),
+        block_size=page_size,
+        query_lens=[n for _, n in rows],
+        seq_lens=[start + n for start, n in rows],
+        query_pos_start=[start for start, _ in rows],
+        causal_prefix_lens=causal_prefix_lens,
+    )
+
+
 def build_paged_rows(
-    rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed, *, device, backend, spare_blocks=2, pad_block=None
+    rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed, *, device, backend, spare_blocks=2,
+    pad_block=None, causal_prefix_lens=None,
 ):
     """Random packed-QKV rows written into a shuffled pool; returns the op arguments and dense K/V per row.
 
     `rows` holds `(query_pos_start, num_queries)`; a row's seq_len is their sum. The pool has
     `spare_blocks` blocks beyond the rows' own; block tables are padded with `pad_block`
-    (default: the last spare block, which no row owns).
+    (default: the last spare block, which no row owns). The arguments are
+    `(query, kv_cache, metadata)` for the queries of every row.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [start + n for start, n in rows]
@@ -163,20 +178,9 @@ def build_paged_rows(
         cursor += nb
         tables.append(ids + [pad] * (width - nb))
         q, k, v = packed_qkv(seq_len, num_heads, num_kv_heads, head_size, dtype, device, gen)
-        pos = torch.arange(seq_len)
-        slots = torch.tensor(ids, dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
-        write_kv_cache(k, v, kv_cache, slots.to(device), backend=backend)
+        # The whole row's K/V first (a forward over positions 0..seq_len-1), then the queries attend.
+        write_kv_cache(k, v, kv_cache, row_metadata([tables[-1]], [(0, seq_len)], page_size, device), backend=backend)
         queries.append(q[start:])
         dense.append((k, v))
-    qsl = [0]
-    for _, n in rows:
-        qsl.append(qsl[-1] + n)
-    args = (
-        torch.cat(queries),
-        kv_cache,
-        as_i32(tables, device),
-        as_i32(qsl, device),
-        as_i32(seq_lens, device),
-        as_i32([s for s, _ in rows], device),
-    )
-    return args, queries, dense
+    metadata = row_metadata(tables, rows, page_size, device, causal_prefix_lens)
+    return (torch.cat(queries), kv_cache, metadata), queries, dense

@@ -51,13 +51,13 @@ def test_seed_case_through_row_table_and_batches(role):
     assert not k.is_contiguous()
 
     prefix = prepare_batch(t, [BatchRow(identity, query_len=17, seq_len=17, kv_start_pos=0)])
-    assert prefix.slot_mapping.tolist() == list(range(48, 64)) + [16]
-    assert prefix.cache_role == role and prefix.block_tables.tolist() == [[3, 1]]
+    assert prefix.metadata.slot_mapping.tolist() == list(range(48, 64)) + [16]
+    assert prefix.cache_role == role and prefix.metadata.block_tables.tolist() == [[3, 1]]
     out = prefix.attention(layer, q[:17], k[:17], v[:17], cache)
     torch.testing.assert_close(out.float(), sdpa(q[:17], k[:17], v[:17]), rtol=2e-2, atol=2e-2)
 
     suffix = prepare_batch(t, [BatchRow(identity, query_len=2, seq_len=19, kv_start_pos=17)])
-    assert suffix.slot_mapping.tolist() == [17, 18]
+    assert suffix.metadata.slot_mapping.tolist() == [17, 18]
     out = suffix.attention(layer, q[17:], k[17:], v[17:], cache)
     torch.testing.assert_close(out.float(), sdpa(q[17:], k, v), rtol=2e-2, atol=2e-2)
     other = caches["ar.attn" if role == "primary" else "blocks.0.attn"]
@@ -85,17 +85,18 @@ def test_ragged_rows_of_two_requests_with_causal_prefix():
         q, k, v = qkv.split([128, 64, 64], dim=-1)
         dense[(rid, sid)] = (q.view(n, 4, 32), k.view(n, 2, 32), v.view(n, 2, 32))
     # Forward 0 writes every row's prefix (causal within the prefix).
-    rows = [BatchRow(RowIdentity(rid, sequence_id=sid), query_len=prefix, seq_len=prefix, causal_prefix_len=prefix)
-            for (rid, sid), (prefix, _, _) in shapes.items()]
+    rows = [BatchRow.prefix(RowIdentity(rid, sequence_id=sid), prefix) for (rid, sid), (prefix, _, _) in shapes.items()]
     batch = prepare_batch(t, rows)
     cat = lambda i, span: torch.cat([dense[key][i][span(key)] for key in shapes])  # noqa: E731
     batch.attention(layer, cat(0, lambda key: slice(0, shapes[key][0])), cat(1, lambda key: slice(0, shapes[key][0])),
                     cat(2, lambda key: slice(0, shapes[key][0])), cache)
     # A denoise step: target queries write their span and attend to everything.
-    rows = [BatchRow(RowIdentity(rid, sequence_id=sid), query_len=target, seq_len=prefix + target,
-                     kv_start_pos=prefix, causal_prefix_len=prefix)
+    rows = [BatchRow.target(RowIdentity(rid, sequence_id=sid), prefix, target)
             for (rid, sid), (prefix, target, _) in shapes.items()]
     batch = prepare_batch(t, rows, max_num_batched_tokens=48)
+    assert batch.metadata.causal_prefix_lens is None
+    assert batch.metadata.block_tables.tolist() == [[9, 2, 14, 0, 0], [0, 7, 0, 0, 0], [5, 11, 1, 3, 0]]
+    assert batch.metadata.slot_mapping[:3].tolist() == [78, 79, 16]  # row a/0 writes positions 6.. of [9, 2, 14]
     target_span = lambda key: slice(shapes[key][0], None)  # noqa: E731
     out = batch.attention(layer, cat(0, target_span), cat(1, target_span), cat(2, target_span), cache)
     expected = torch.cat([sdpa(q[shapes[key][0]:], k, v) for key, (q, k, v) in dense.items()])

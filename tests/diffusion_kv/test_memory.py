@@ -65,7 +65,7 @@ def test_pool_returns_to_baseline_after_install_retire_cycles():
         rows = [BatchRow(RowIdentity(public_id, sequence_id=s), query_len=prefix + target, seq_len=prefix + target,
                          causal_prefix_len=prefix) for s in range(2)]
         batch = prepare_batch(table, rows)
-        x = torch.randn(batch.num_tokens, 2, 32, dtype=torch.float16, device=DEVICE)
+        x = torch.randn(batch.metadata.num_tokens, 2, 32, dtype=torch.float16, device=DEVICE)
         batch.attention(SPECS["blocks.0.attn"], x, x, x, caches["blocks.0.attn"])
         if CUDA and device_baseline is None:
             torch.cuda.synchronize()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusion_kv import paged_attention, write_kv_cache
-from kv_builders import as_i32, build_paged_rows, packed_qkv, sdpa_row
+from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache
+from kv_builders import as_i32, build_paged_rows, packed_qkv, row_metadata, sdpa_row
 
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() else [])
 DEVICE = {"torch": "cpu", "triton": "cuda"}
@@ -18,27 +18,22 @@ def test_seed_case_prefix_then_suffix_matches_sdpa(backend):
     device = DEVICE[backend]
     gen = torch.Generator().manual_seed(0)
     kv_cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.float16, device=device)
-    block_tables = as_i32([[3, 1]], device)
     q, k, v = packed_qkv(19, 2, 2, 64, torch.float16, device, gen)
     assert not k.is_contiguous() and not v.is_contiguous()
 
-    prefix_slots = torch.tensor(list(range(48, 64)) + [16], dtype=torch.int64, device=device)
-    write_kv_cache(k[:17], v[:17], kv_cache, prefix_slots, backend=backend)
-    out = paged_attention(
-        q[:17], kv_cache, block_tables, as_i32([0, 17], device), as_i32([17], device), as_i32([0], device),
-        backend=backend,
-    )
+    prefix = row_metadata([[3, 1]], [(0, 17)], 16, device)
+    assert prefix.slot_mapping.tolist() == list(range(48, 64)) + [16]
+    write_kv_cache(k[:17], v[:17], kv_cache, prefix, backend=backend)
+    out = paged_attention(q[:17], kv_cache, prefix, backend=backend)
     torch.testing.assert_close(out.float(), sdpa_row(q[:17], k[:17], v[:17]), rtol=2e-2, atol=2e-2)
 
     before = kv_cache.clone()
-    suffix_slots = torch.tensor([17, 18], dtype=torch.int64, device=device)
-    write_kv_cache(k[17:], v[17:], kv_cache, suffix_slots, backend=backend)
+    suffix = row_metadata([[3, 1]], [(17, 2)], 16, device)
+    assert suffix.slot_mapping.tolist() == [17, 18] and suffix.seq_lens.tolist() == [19]
+    write_kv_cache(k[17:], v[17:], kv_cache, suffix, backend=backend)
     changed = (kv_cache != before).flatten(3).any(-1)  # [block, kv, offset]
     assert changed.nonzero().tolist() == [[1, 0, 1], [1, 0, 2], [1, 1, 1], [1, 1, 2]]
-    out = paged_attention(
-        q[17:], kv_cache, block_tables, as_i32([0, 2], device), as_i32([19], device), as_i32([17], device),
-        backend=backend,
-    )
+    out = paged_attention(q[17:], kv_cache, suffix, backend=backend)
     torch.testing.assert_close(out.float(), sdpa_row(q[17:], k, v), rtol=2e-2, atol=2e-2)
     assert out.dtype == torch.float16 and out.shape == (2, 2, 64)
 
@@ -70,28 +65,42 @@ def test_causal_prefix_mask_and_scale(backend):
     ids = [5, 0, 3, 2]
     q, k, v = packed_qkv(total, 4, 2, 16, torch.float32, device, gen)
     pos = torch.arange(total)
-    write_kv_cache(k, v, kv_cache, (torch.tensor(ids)[pos // block_size] * block_size + pos % block_size).to(device),
-                   backend=backend)
-    out = paged_attention(
-        q, kv_cache, as_i32([ids], device), as_i32([0, total], device), as_i32([total], device), as_i32([0], device),
-        scale=0.3, causal_prefix_lens=as_i32([prefix], device), backend=backend,
-    )
+    masked = row_metadata([ids], [(0, total)], block_size, device, causal_prefix_lens=[prefix])
+    write_kv_cache(k, v, kv_cache, masked, backend=backend)
+    out = paged_attention(q, kv_cache, masked, scale=0.3, backend=backend)
     allowed = (pos[:, None] >= prefix) | (pos[None, :] <= pos[:, None])
     ref = sdpa_row(q, k, v, mask=allowed.to(device), scale=0.3)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # The mask matters: the same call without it differs for the prefix queries only.
-    plain = paged_attention(
-        q, kv_cache, as_i32([ids], device), as_i32([0, total], device), as_i32([total], device), as_i32([0], device),
-        scale=0.3, backend=backend,
-    )
+    plain = paged_attention(q, kv_cache, row_metadata([ids], [(0, total)], block_size, device), scale=0.3,
+                            backend=backend)
     assert not torch.allclose(plain[: prefix - 1], out[: prefix - 1], atol=1e-3)
     torch.testing.assert_close(plain[prefix:], out[prefix:], rtol=1e-5, atol=1e-5)
+
+
+def test_slot_mapping_is_computed_from_the_block_tables():
+    """Two rows written at different spans: each token's slot follows its own row's table."""
+    metadata = row_metadata([[2, 7, 0], [5, 1, 4]], [(3, 3), (8, 2)], 4, "cpu")
+    assert metadata.slot_mapping.tolist() == [11, 28, 29, 16, 17]
+    assert metadata.query_start_loc.tolist() == [0, 3, 5] and metadata.num_tokens == 5
+    assert metadata.max_query_len == 3 and metadata.causal_prefix_lens is None
+
+
+def _slots(slot_mapping) -> PagedAttentionMetadata:
+    """Write-only metadata: one row, and exactly the given slots (the plain constructor trusts them)."""
+    slots = torch.tensor(slot_mapping, dtype=torch.int64)
+    n = slots.shape[0]
+    return PagedAttentionMetadata(
+        block_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc=as_i32([0, n], "cpu"),
+        seq_lens=as_i32([n], "cpu"), query_pos_start=as_i32([0], "cpu"), slot_mapping=slots,
+        causal_prefix_lens=None, block_size=4, num_tokens=n, max_query_len=n,
+    )
 
 
 def test_negative_slots_are_skipped():
     kv_cache = torch.zeros(2, 2, 4, 1, 8)
     key = torch.ones(3, 1, 8)
-    write_kv_cache(key, -key, kv_cache, torch.tensor([5, -1, 0]))
+    write_kv_cache(key, -key, kv_cache, _slots([5, -1, 0]))
     assert kv_cache[1, 0, 1].eq(1).all() and kv_cache[0, 1, 0].eq(-1).all()
     assert int((kv_cache != 0).flatten(3).any(-1).sum()) == 4
 
@@ -101,10 +110,10 @@ def test_negative_slots_are_skipped():
     [
         ({"key": torch.ones(3, 2, 8)}, "key must have shape"),
         ({"value": torch.ones(3, 1, 8, dtype=torch.float16)}, "value dtype"),
-        ({"slot_mapping": torch.tensor([0, 1])}, "one slot per token"),
-        ({"slot_mapping": torch.tensor([0, 1, 8])}, "beyond the pool's 8 slots"),
-        ({"slot_mapping": torch.tensor([0.0, 1.0, 2.0])}, "int64"),
+        ({"metadata": _slots([0, 1])}, "key has 3 tokens but the metadata describes 2"),
+        ({"metadata": _slots([0, 1, 8])}, "beyond the pool's 8 slots"),
         ({"kv_cache": torch.zeros(2, 3, 4, 1, 8)}, "kv_cache must have shape"),
+        ({"kv_cache": torch.zeros(4, 2, 2, 1, 8)}, "blocks of 2 tokens but the metadata was built for block_size=4"),
     ],
 )
 def test_write_rejects_bad_inputs_and_changes_nothing(kwargs, match):
@@ -112,7 +121,7 @@ def test_write_rejects_bad_inputs_and_changes_nothing(kwargs, match):
         "key": torch.ones(3, 1, 8),
         "value": torch.ones(3, 1, 8),
         "kv_cache": torch.zeros(2, 2, 4, 1, 8),
-        "slot_mapping": torch.tensor([0, 1, 2]),
+        "metadata": _slots([0, 1, 2]),
     }
     args.update(kwargs)
     snapshot = args["kv_cache"].clone()
@@ -121,14 +130,11 @@ def test_write_rejects_bad_inputs_and_changes_nothing(kwargs, match):
     assert torch.equal(args["kv_cache"], snapshot)
 
 
-def _attention_args():
+def _attention_args(query=None, block_tables=((0, 1), (2, 3)), rows=((0, 3), (6, 2)), **metadata):
     return {
-        "query": torch.randn(5, 4, 8),
+        "query": torch.randn(5, 4, 8) if query is None else query,
         "kv_cache": torch.zeros(4, 2, 4, 2, 8),
-        "block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-        "query_start_loc": torch.tensor([0, 3, 5], dtype=torch.int32),
-        "seq_lens": torch.tensor([3, 8], dtype=torch.int32),
-        "query_pos_start": torch.tensor([0, 6], dtype=torch.int32),
+        "metadata": row_metadata([list(t) for t in block_tables], list(rows), 4, "cpu", **metadata),
     }
 
 
@@ -137,20 +143,44 @@ def _attention_args():
     [
         ({"query": torch.randn(5, 3, 8)}, "multiple of the cache's num_kv_heads"),
         ({"query": torch.randn(5, 4, 8, dtype=torch.float16)}, "query dtype"),
-        ({"seq_lens": torch.tensor([3, 7], dtype=torch.int32)}, "beyond seq_len=7"),
-        ({"seq_lens": torch.tensor([3, 9], dtype=torch.int32), "query_pos_start": torch.tensor([0, 7], dtype=torch.int32)},
-         "exceeds the block table width"),
-        ({"block_tables": torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)}, r"must lie in \[0, 4\)"),
-        ({"query_start_loc": torch.tensor([0, 3, 4], dtype=torch.int32)}, "end at total_q=5"),
-        ({"seq_lens": torch.tensor([3], dtype=torch.int32)}, r"shape \[2\] for 2 rows"),
-        ({"out": torch.empty(5, 4, 4)}, "out must match query"),
+        ({"query": torch.randn(4, 4, 8)}, "query has 4 tokens but the metadata describes 5"),
+        ({"block_tables": ((0, 1), (2, 4))}, r"must lie in \[0, 4\)"),
     ],
 )
 def test_attention_rejects_bad_inputs(update, match):
-    args = _attention_args()
-    args.update(update)
+    args = _attention_args(**update)
     with pytest.raises(ValueError, match=match):
         paged_attention(**args)
+    with pytest.raises(ValueError, match="out must match query"):
+        paged_attention(**_attention_args(), out=torch.empty(5, 4, 4))
+
+
+@pytest.mark.parametrize(
+    "rows,block_tables,kwargs,match",
+    [
+        ([(6, 2)], [[0, 1]], {"seq_lens": [7]}, "beyond seq_len=7"),
+        ([(7, 2)], [[0, 1]], {}, r"seq_len=9 exceeds the block table width \(2 blocks x 4 = 8 tokens\)"),
+        ([(0, 3)], [[0, 1], [2, 3]], {}, "query_lens must have 2 entries"),
+        ([(0, 3)], [[0, 1]], {"query_pos_start": [-1]}, "must hold ints >= 0"),
+    ],
+)
+def test_metadata_build_rejects_bad_rows(rows, block_tables, kwargs, match):
+    args = {
+        "query_lens": [n for _, n in rows],
+        "seq_lens": [s + n for s, n in rows],
+        "query_pos_start": [s for s, _ in rows],
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        PagedAttentionMetadata.build(as_i32(block_tables, "cpu"), block_size=4, **args)
+
+
+def test_metadata_constructor_rejects_inconsistent_tensors():
+    good = row_metadata([[0, 1]], [(0, 3)], 4, "cpu")
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \[1\] for 1 rows"):
+        PagedAttentionMetadata(**{**vars(good), "seq_lens": as_i32([3, 3], "cpu")})
+    with pytest.raises(ValueError, match="query_pos_start must be a torch.int32 tensor"):
+        PagedAttentionMetadata(**{**vars(good), "query_pos_start": torch.zeros(1, dtype=torch.int64)})
 
 
 def test_unknown_backend_is_rejected():

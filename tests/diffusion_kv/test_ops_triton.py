@@ -19,8 +19,8 @@ if not ON_CUDA:
 
 triton_kernels = pytest.importorskip("diffusion_kv.ops.triton_kernels")
 
-from diffusion_kv import paged_attention, write_kv_cache  # noqa: E402
-from kv_builders import as_i32, build_paged_rows, packed_qkv, sdpa_row  # noqa: E402
+from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
+from kv_builders import as_i32, build_paged_rows, packed_qkv, row_metadata, sdpa_row  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -40,10 +40,14 @@ def test_write_kernel_matches_reference_on_packed_views():
     gen = torch.Generator().manual_seed(3)
     _, k, v = packed_qkv(9, 2, 2, 24, torch.float16, DEVICE, gen)
     slots = torch.tensor([5, 6, -1, 0, 31, 12, -1, 7, 20], device=DEVICE)
+    metadata = PagedAttentionMetadata(
+        block_tables=i32([[0]]), query_start_loc=i32([0, 9]), seq_lens=i32([9]), query_pos_start=i32([0]),
+        slot_mapping=slots, causal_prefix_lens=None, block_size=8, num_tokens=9, max_query_len=9,
+    )
     caches = []
     for backend in ("triton", "torch"):
         cache = torch.full((4, 2, 8, 2, 24), 7.0, dtype=torch.float16, device=DEVICE)
-        write_kv_cache(k, v, cache, slots, backend=backend)
+        write_kv_cache(k, v, cache, metadata, backend=backend)
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
     assert bool((caches[0] == 7.0).all(dim=(-1, -2)).sum() == 2 * 32 - 2 * 7)
@@ -59,11 +63,13 @@ def test_seed_case_matches_sdpa(role):
     caches = {r: torch.zeros(4, 2, 16, 2, 64, dtype=torch.float16, device=DEVICE) for r in ("primary", "ar_decode")}
     q, k, v = packed_qkv(19, 2, 2, 64, torch.float16, DEVICE, gen)
     cache = caches[role]
-    write_kv_cache(k[:17], v[:17], cache, torch.tensor(list(range(48, 64)) + [16], device=DEVICE), backend="triton")
-    out = paged_attention(q[:17], cache, i32([[3, 1]]), i32([0, 17]), i32([17]), i32([0]), backend="triton")
+    prefix = row_metadata([[3, 1]], [(0, 17)], 16, DEVICE)
+    write_kv_cache(k[:17], v[:17], cache, prefix, backend="triton")
+    out = paged_attention(q[:17], cache, prefix, backend="triton")
     torch.testing.assert_close(out.float(), sdpa_row(q[:17], k[:17], v[:17]), rtol=2e-2, atol=2e-2)
-    write_kv_cache(k[17:], v[17:], cache, torch.tensor([17, 18], device=DEVICE), backend="triton")
-    out = paged_attention(q[17:], cache, i32([[3, 1]]), i32([0, 2]), i32([19]), i32([17]), backend="triton")
+    suffix = row_metadata([[3, 1]], [(17, 2)], 16, DEVICE)
+    write_kv_cache(k[17:], v[17:], cache, suffix, backend="triton")
+    out = paged_attention(q[17:], cache, suffix, backend="triton")
     torch.testing.assert_close(out.float(), sdpa_row(q[17:], k, v), rtol=2e-2, atol=2e-2)
     other = "ar_decode" if role == "primary" else "primary"
     assert not caches[other].any()
@@ -96,8 +102,9 @@ def test_causal_prefix_mask_matches_sdpa():
     """Row 0: prefix 20 of 40 with queries spanning prefix and target; row 1: target-only queries."""
     rows = [(0, 40), (30, 7)]
     prefix_lens = [20, 12]
-    args, queries, dense = build_paged_rows(rows, 4, 2, 32, 8, torch.float16, seed=5, device=DEVICE, backend="triton")
-    out = paged_attention(*args, scale=0.2, causal_prefix_lens=i32(prefix_lens), backend="triton")
+    args, queries, dense = build_paged_rows(rows, 4, 2, 32, 8, torch.float16, seed=5, device=DEVICE, backend="triton",
+                                            causal_prefix_lens=prefix_lens)
+    out = paged_attention(*args, scale=0.2, backend="triton")
     expected = []
     for (start, n), prefix, q, (k, v) in zip(rows, prefix_lens, queries, dense):
         pos = torch.arange(start, start + n)[:, None]

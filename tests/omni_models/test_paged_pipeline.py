@@ -6,9 +6,19 @@ import numpy as np
 import pytest
 import torch
 
+from diffusion_kv import (
+    PRIMARY_CACHE_ROLE,
+    DiffusionKVMetadata,
+    DiffusionKVSequenceMetadata,
+    RowIdentity,
+    WorkerRowTable,
+    cdiv,
+)
+
 import omni_models
 from omni_models import paged
 from omni_models.runner import ScheduledJob
+from omni_models.sampling import pad_token_ids
 
 PROMPTS = ["a red circle at the top left on a blue background", "a green square", "a white diamond at the center"]
 
@@ -44,23 +54,38 @@ def test_fixed_seed_reproduces_and_seed_and_guidance_matter(pipes):
     assert not np.array_equal(first, negative)
 
 
+def _row_table(pipe, num_blocks, block_size, *, num_rows=4):
+    """An engine's row table for the pipeline's bound pool (``allocate_kv_caches`` first)."""
+    table = WorkerRowTable(num_rows=num_rows, max_rows_per_request=2, num_blocks=num_blocks, block_size=block_size,
+                           max_model_len=128, registered_roles={PRIMARY_CACHE_ROLE}, device=pipe.device)
+    pipe.bind_row_table(table)
+    return table
+
+
+def _install(table, request_id, job, block_ids, generation=1):
+    """Install ``job``'s rows on the given blocks (one list per row) as the engine's scheduler would."""
+    table.install(DiffusionKVMetadata(request_id, generation, tuple(
+        DiffusionKVSequenceMetadata(i, row.prefix_len, row.target_len, row.num_tokens, (list(blocks),))
+        for i, (row, blocks) in enumerate(zip(job.rows, block_ids))
+    )))
+    return ScheduledJob(job, tuple(RowIdentity(request_id, sequence_id=i) for i in range(len(job.rows))))
+
+
 def test_stepwise_api_with_scattered_blocks_and_interleaved_jobs(pipes):
     """Engine-style use: a shared pool, non-contiguous block tables, jobs joining at different steps."""
     pipe = pipes[0]
     expected = _pixels(pipe(PROMPTS[:2], num_inference_steps=4, guidance_scale=3.0, seed=21))
     pipe.allocate_kv_caches(num_blocks=48, block_size=8)
+    table = _row_table(pipe, 48, 8)
     first = pipe.prepare(PROMPTS[0], num_inference_steps=4, guidance_scale=3.0, seed=21)
     second = pipe.prepare(PROMPTS[1], num_inference_steps=4, guidance_scale=3.0, seed=22)
     assert [row.role for row in first.rows] == ["cond", "uncond"]
     assert first.rows[0].prefix_len == 12 and first.rows[1].prefix_len == 1 and first.rows[0].target_len == 64
-    need = -(-first.rows[0].num_tokens // 8)
     free = list(range(47, -1, -1))  # hand out blocks in reverse order: tables are not contiguous ranges
-    tables_a = tuple([free.pop(0) for _ in range(-(-row.num_tokens // 8))] for row in first.rows)
-    tables_b = tuple([free.pop(0) for _ in range(-(-row.num_tokens // 8))] for row in second.rows)
-    assert len(tables_a[0]) == need
-    a, b = ScheduledJob(first, tables_a), ScheduledJob(second, tables_b)
+    a = _install(table, "a", first, [[free.pop(0) for _ in range(cdiv(row.num_tokens, 8))] for row in first.rows])
     pipe.run_prefix([a])
     pipe.run_denoise_step([a])
+    b = _install(table, "b", second, [[free.pop(0) for _ in range(cdiv(row.num_tokens, 8))] for row in second.rows])
     pipe.run_prefix([b])  # joins while the first job is one step ahead
     while not second.finished:
         pipe.run_denoise_step([a, b] if not first.finished else [b])
@@ -70,33 +95,56 @@ def test_stepwise_api_with_scattered_blocks_and_interleaved_jobs(pipes):
 
 def test_recomputing_the_prefix_every_step_gives_the_same_image(pipes):
     pipe = pipes[0]
-    caches = pipe.allocate_kv_caches(num_blocks=12, block_size=16)
     results = []
     for recompute in (False, True):
         job = pipe.prepare(PROMPTS[0], num_inference_steps=3, seed=2)
-        tables = tuple(list(range(i * 6, i * 6 + 6)) for i in range(len(job.rows)))
-        batch = [ScheduledJob(job, tables)]
+        batch = pipe.allocate_kv_caches_for([job], block_size=16)
         if not recompute:
             pipe.run_prefix(batch)
         for _ in range(3):
-            paged.denoise_step(pipe.model, batch, caches, recompute_prefix=recompute)
+            pipe.run_denoise_step(batch, recompute_prefix=recompute)
         results.append(job.latents)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
+def test_velocities_of_one_step_are_the_dense_models(pipes):
+    """The attention plumbing alone: paged velocities of a two-job batch equal the dense model's, row by row."""
+    pipe = pipes[0]
+    jobs = [pipe.prepare(prompt, num_inference_steps=2, guidance_scale=4.0, seed=3 + i)
+            for i, prompt in enumerate(PROMPTS[:2])]
+    batch = pipe.allocate_kv_caches_for(jobs, block_size=8)
+    pipe.run_prefix(batch)
+    velocities = paged.predict_velocities(pipe.model, pipe._bound_kv(), batch)
+    assert [job.step_index for job in jobs] == [0, 0]  # predicting does not step
+    for job, rows in zip(jobs, velocities):
+        token_ids = pad_token_ids([row.token_ids for row in job.rows], pipe.device)
+        images = job.latents.unsqueeze(0).expand(len(job.rows), -1, -1, -1)
+        dense = pipe.model(token_ids, images, torch.full((len(job.rows),), job.times[0]))
+        torch.testing.assert_close(torch.stack(rows), dense, rtol=1e-4, atol=1e-4)
+
+
 def test_stepwise_misuse_is_refused_with_a_reason(pipes):
     pipe = pipes[0]
-    pipe.allocate_kv_caches(num_blocks=8, block_size=16)
     job = pipe.prepare("a red circle", num_inference_steps=2, guidance_scale=1.0, seed=0)
     assert len(job.rows) == 1
+    pipe.allocate_kv_caches(num_blocks=8, block_size=16)  # unbinds the row table of the previous pool
+    with pytest.raises(ValueError, match="no KV pool is bound"):
+        pipe.run_prefix([ScheduledJob(job, (RowIdentity("r", sequence_id=0),))])
+    with pytest.raises(ValueError, match="addresses 9 blocks of 16 tokens, but the cache of 'blocks.0.attn' holds 8"):
+        _row_table(pipe, 9, 16)
+    table = _row_table(pipe, 8, 16)
     with pytest.raises(ValueError, match="run_prefix must run"):
-        pipe.run_denoise_step([ScheduledJob(job, (list(range(5)),))])
-    with pytest.raises(ValueError, match="needs 68 slots"):
-        pipe.run_prefix([ScheduledJob(job, (list(range(4)),))])
-    with pytest.raises(ValueError, match="outside the pool"):
-        pipe.run_prefix([ScheduledJob(job, (list(range(4, 9)),))])
-    with pytest.raises(ValueError, match="1 rows but 2 block tables"):
-        pipe.run_prefix([ScheduledJob(job, ([0], [1]))])
+        pipe.run_denoise_step([ScheduledJob(job, (RowIdentity("r", sequence_id=0),))])
+    with pytest.raises(KeyError, match="is not installed on this worker"):
+        pipe.run_prefix([ScheduledJob(job, (RowIdentity("r", sequence_id=0),))])
+    with pytest.raises(ValueError, match="1 rows but 2 row identities"):
+        ScheduledJob(job, (RowIdentity("r", sequence_id=0), RowIdentity("r", sequence_id=1)))
+    # Installed for 12 tokens: the prompt fits, the image does not.
+    table.install(DiffusionKVMetadata("short", 1, (DiffusionKVSequenceMetadata(0, 4, 8, 12, ([0],)),)))
+    scheduled = ScheduledJob(job, (RowIdentity("short", sequence_id=0),))
+    pipe.run_prefix([scheduled])
+    with pytest.raises(ValueError, match="seq_len=68 is beyond its installed length of 12 tokens"):
+        pipe.run_denoise_step([scheduled])
     with pytest.raises(ValueError, match="decode needs a finished job"):
         pipe.decode(job)
-    assert job.step_index == 0 and not job.prefix_written
+    assert job.step_index == 0

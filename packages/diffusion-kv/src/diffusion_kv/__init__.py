@@ -35,10 +35,17 @@ from diffusion_kv.scheduler import (
 # --- end control plane ---
 
 # --- data plane (attention opt-in, specs, sizing, row table, batches, paged K/V ops) ---
+from diffusion_kv._validation import cdiv
 from diffusion_kv.batch import BatchRow, PreparedBatch, prepare_batch
 from diffusion_kv.cache import allocate_kv_caches
-from diffusion_kv.ops import paged_attention, write_kv_cache
+from diffusion_kv.ops import PagedAttentionMetadata, paged_attention, write_kv_cache
 from diffusion_kv.sizing import KVCacheConfigs, build_kv_cache_configs, determine_available_kv_memory
-from diffusion_kv.specs import AttentionCacheSpec, KVCacheOptIn, discover_kv_cache_specs
+from diffusion_kv.specs import (
+    PRIMARY_CACHE_ROLE,
+    AttentionCacheSpec,
+    KVCacheOptIn,
+    discover_kv_cache_specs,
+    registered_roles,
+)
 from diffusion_kv.worker import RowIdentity, WorkerRowTable
 # --- end data plane ---

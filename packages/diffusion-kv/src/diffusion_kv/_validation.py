@@ -1,4 +1,4 @@
-"""Integer argument checks shared across the package."""
+"""Integer helpers shared across the package: argument checks and ceiling division."""
 
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def check_positive_int(name: str, value: Any) -> None:
     """Raise ``ValueError("{name} must be a positive int, got {value!r}")`` unless ``is_positive_int(value)``."""
     if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` in integers: the blocks a row of ``numerator`` tokens needs at block
+    size ``denominator``."""
+    return -(-numerator // denominator)

@@ -3,7 +3,7 @@
 One forward runs a ragged batch of rows. For each row it writes the K/V of a query span
 `[kv_start_pos, kv_start_pos + query_len)` into the row's pages and attends over keys
 `[0, seq_len)`. `prepare_batch` checks the rows against the worker's row table and builds
-the kernel inputs once per forward; every cache-enabled layer of that forward then calls
+their `PagedAttentionMetadata` once per forward; every cache-enabled layer of that forward then calls
 `PreparedBatch.attention`.
 
 Rules:
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from diffusion_kv._validation import is_positive_int
-from diffusion_kv.ops import paged_attention, write_kv_cache
+from diffusion_kv.ops import PagedAttentionMetadata, paged_attention, write_kv_cache
 from diffusion_kv.specs import AttentionCacheSpec
 from diffusion_kv.worker import RowIdentity, WorkerRowTable
 
@@ -65,24 +65,28 @@ class BatchRow:
         ):
             raise ValueError(f"row {self.identity}: causal_prefix_len must be an int >= 0 or None")
 
+    @classmethod
+    def prefix(cls, identity: RowIdentity, prefix_len: int) -> BatchRow:
+        """The forward that writes a `[prefix | target]` row's prefix: its tokens attend causally among themselves."""
+        return cls(identity, query_len=prefix_len, seq_len=prefix_len, causal_prefix_len=prefix_len)
+
+    @classmethod
+    def target(cls, identity: RowIdentity, prefix_len: int, target_len: int) -> BatchRow:
+        """A denoise forward of a `[prefix | target]` row: the target span is written after the prefix and
+        attends to every key, the cached prefix included."""
+        return cls(identity, query_len=target_len, seq_len=prefix_len + target_len, kv_start_pos=prefix_len)
+
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """Kernel inputs of one forward (all on the row table's device)."""
+    """One forward's rows, bound to the row-table version they were prepared from, and their attention metadata."""
 
     table: WorkerRowTable
     table_version: int
     cache_role: str
     rows: tuple[BatchRow, ...]
-    row_indices: Tensor  # int32 [R]
-    block_tables: Tensor  # int32 [R, max_blocks_per_row]
-    query_start_loc: Tensor  # int32 [R + 1]
-    seq_lens: Tensor  # int32 [R]
-    query_pos_start: Tensor  # int32 [R]
-    slot_mapping: Tensor  # int64 [num_tokens]
-    causal_prefix_lens: Tensor | None  # int32 [R], 0 for rows without a causal prefix
-    num_tokens: int
-    max_query_len: int
+    row_indices: Tensor  # int32 [R], the rows' indices in the table
+    metadata: PagedAttentionMetadata
 
     def check_layer(self, layer: AttentionCacheSpec) -> None:
         """Reject a layer of another cache role, or a batch the row table has moved past."""
@@ -118,37 +122,38 @@ class PreparedBatch:
         q = self._tokens_heads_dim(layer, "query", query)
         k = self._tokens_heads_dim(layer, "key", key)
         v = self._tokens_heads_dim(layer, "value", value)
-        write_kv_cache(k, v, kv_cache, self.slot_mapping)
-        out = paged_attention(
-            q, kv_cache, self.block_tables, self.query_start_loc, self.seq_lens, self.query_pos_start,
-            scale=scale, causal_prefix_lens=self.causal_prefix_lens, max_query_len=self.max_query_len,
-        )
-        return out.view(query.shape)
+        write_kv_cache(k, v, kv_cache, self.metadata)
+        return paged_attention(q, kv_cache, self.metadata, scale=scale).view(query.shape)
 
     def _tokens_heads_dim(self, layer: AttentionCacheSpec, name: str, x: Tensor) -> Tensor:
         """View `x` as `[num_tokens, heads, head_size]` without copying (strided views stay views)."""
         head_size = layer.head_size
-        uniform = all(row.query_len == self.max_query_len for row in self.rows)
-        if x.dim() == 3 and x.shape[0] == self.num_tokens and x.shape[2] == head_size:
+        num_tokens, max_query_len = self.metadata.num_tokens, self.metadata.max_query_len
+        uniform = num_tokens == len(self.rows) * max_query_len
+        if x.dim() == 3 and x.shape[0] == num_tokens and x.shape[2] == head_size:
             return x
-        if x.dim() == 2 and x.shape[0] == self.num_tokens and x.shape[1] % head_size == 0:
+        if x.dim() == 2 and x.shape[0] == num_tokens and x.shape[1] % head_size == 0:
             return x.unflatten(1, (-1, head_size))
-        if uniform and x.dim() in (3, 4) and tuple(x.shape[:2]) == (len(self.rows), self.max_query_len):
+        if uniform and x.dim() in (3, 4) and tuple(x.shape[:2]) == (len(self.rows), max_query_len):
             tokens = x.flatten(0, 1)
             if tokens.dim() == 3 and tokens.shape[2] == head_size:
                 return tokens
             if tokens.dim() == 2 and tokens.shape[1] % head_size == 0:
                 return tokens.unflatten(1, (-1, head_size))
-        layouts = f"[{self.num_tokens}, heads, {head_size}] or [{self.num_tokens}, heads*{head_size}]"
+        layouts = f"[{num_tokens}, heads, {head_size}] or [{num_tokens}, heads*{head_size}]"
         if uniform:
-            layouts += f" or [{len(self.rows)}, {self.max_query_len}, ...]"
+            layouts += f" or [{len(self.rows)}, {max_query_len}, ...]"
         raise ValueError(f"layer {layer.layer_name!r}: {name} of shape {tuple(x.shape)} is not {layouts}")
 
 
 def prepare_batch(
     table: WorkerRowTable, rows: Sequence[BatchRow], *, max_num_batched_tokens: int | None = None
 ) -> PreparedBatch:
-    """Validate one forward's rows against the installed table and build its kernel inputs."""
+    """Validate one forward's rows against the installed table and build their attention metadata.
+
+    The block tables are gathered from the table's own device tensor (`WorkerRowTable.block_tables`),
+    and the slot mapping is computed from them on that device.
+    """
     if not rows:
         raise ValueError("Paged attention batch is empty; a forward needs at least one row")
     if len(rows) > table.num_rows:
@@ -165,38 +170,19 @@ def prepare_batch(
         raise ValueError(
             f"Paged attention batch has {num_tokens} tokens, more than max_num_batched_tokens={max_num_batched_tokens}"
         )
-    block_size = table.block_size
-    slots: list[Tensor] = []
     for row, entry in zip(rows, installed):
         if row.seq_len > entry.num_tokens:
             raise ValueError(
                 f"row {row.identity}: seq_len={row.seq_len} is beyond its installed length of {entry.num_tokens} tokens"
             )
-        positions = torch.arange(row.kv_start_pos, row.kv_start_pos + row.query_len)
-        block_ids = torch.tensor(entry.block_ids, dtype=torch.int64)
-        slots.append(block_ids[positions // block_size] * block_size + positions % block_size)
-    query_start_loc = [0]
-    for row in rows:
-        query_start_loc.append(query_start_loc[-1] + row.query_len)
-    device = table.device
-    row_indices = torch.tensor([entry.index for entry in installed], dtype=torch.int32, device=device)
+    row_indices = torch.tensor([entry.index for entry in installed], dtype=torch.int32, device=table.device)
     has_causal = any(row.causal_prefix_len is not None for row in rows)
-
-    def int32(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    return PreparedBatch(
-        table=table,
-        table_version=table.version,
-        cache_role=roles[0],
-        rows=tuple(rows),
-        row_indices=row_indices,
-        block_tables=table.block_tables.index_select(0, row_indices),
-        query_start_loc=int32(query_start_loc),
-        seq_lens=int32([row.seq_len for row in rows]),
-        query_pos_start=int32([row.kv_start_pos for row in rows]),
-        slot_mapping=torch.cat(slots).to(device),
-        causal_prefix_lens=int32([row.causal_prefix_len or 0 for row in rows]) if has_causal else None,
-        num_tokens=num_tokens,
-        max_query_len=max(row.query_len for row in rows),
+    metadata = PagedAttentionMetadata.build(
+        table.block_tables.index_select(0, row_indices),
+        block_size=table.block_size,
+        query_lens=[row.query_len for row in rows],
+        seq_lens=[row.seq_len for row in rows],
+        query_pos_start=[row.kv_start_pos for row in rows],
+        causal_prefix_lens=[row.causal_prefix_len or 0 for row in rows] if has_causal else None,
     )
+    return PreparedBatch(table, table.version, roles[0], tuple(rows), row_indices, metadata)

@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 from diffusion_kv._validation import check_positive_int
+from diffusion_kv.ops.checks import CACHE_DTYPES
 
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The role of the request's own token axis ([prefix | target] of every CFG row); context roles name the rest.
+PRIMARY_CACHE_ROLE = "primary"
 
 
 @dataclass(frozen=True)
 class KVCacheOptIn:
     """What a cache-enabled attention layer stores: its cache role and K/V geometry.
 
-    `cache_role` names the logical cache the layer reads and writes (`"primary"` for the
+    `cache_role` names the logical cache the layer reads and writes (`PRIMARY_CACHE_ROLE` for the
     request's own token axis, or a context role such as `"ar_decode"`); one forward only
     ever touches rows of one role.
     """

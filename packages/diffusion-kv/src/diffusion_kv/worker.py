@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_kv._validation import check_positive_int, is_int
+from diffusion_kv._validation import cdiv, check_positive_int, is_int
 from diffusion_kv.metadata import DiffusionKVMetadata
-
-PRIMARY_ROLE = "primary"
+from diffusion_kv.specs import PRIMARY_CACHE_ROLE
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,12 @@ class RowIdentity:
 
 @dataclass(frozen=True)
 class InstalledRow:
-    """One installed row: its table index, role, logical length and block ids."""
+    """One installed row: its table index, role and logical length (its block ids live in `block_tables`)."""
 
     index: int
     identity: RowIdentity
     cache_role: str
     num_tokens: int
-    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class WorkerRowTable:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_row = -(-max_model_len // block_size)
+        self.max_blocks_per_row = cdiv(max_model_len, block_size)
         self.registered_roles = frozenset(registered_roles)
         if not self.registered_roles:
             raise ValueError("registered_roles is empty: no cache-enabled layer exposes a role")
@@ -167,8 +165,8 @@ class WorkerRowTable:
         self.version += 1
         del self._free_rows[len(self._free_rows) - len(rows) :]
         installed_rows = tuple(
-            InstalledRow(index, identity, role, num_tokens, tuple(block_ids))
-            for index, (identity, role, num_tokens, block_ids) in zip(indices, rows)
+            InstalledRow(index, identity, role, num_tokens)
+            for index, (identity, role, num_tokens, _) in zip(indices, rows)
         )
         for row in installed_rows:
             self._rows[row.identity] = row
@@ -213,7 +211,7 @@ class WorkerRowTable:
                     f"{context.cache_role!r}; registered roles={sorted(self.registered_roles)!r}"
                 )
         candidates = [
-            (RowIdentity(request_id, sequence_id=s.sequence_id), PRIMARY_ROLE, s.seq_len, s.block_ids)
+            (RowIdentity(request_id, sequence_id=s.sequence_id), PRIMARY_CACHE_ROLE, s.seq_len, s.block_ids)
             for s in metadata.sequences
         ] + [
             (RowIdentity(request_id, context_id=c.context_id), c.cache_role, c.num_tokens, c.block_ids)
@@ -239,7 +237,7 @@ class WorkerRowTable:
             block_ids = groups[0]
             if not isinstance(block_ids, list):
                 raise ValueError(f"Diffusion KV row {identity} block ids must be a list, got {type(block_ids).__name__}")
-            expected = -(-num_tokens // self.block_size)
+            expected = cdiv(num_tokens, self.block_size)
             if len(block_ids) != expected:
                 raise ValueError(
                     f"Diffusion KV row {identity} has {len(block_ids)} blocks; expected {expected} for "

@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     from dlo_offload import OffloadPlan
     from fp8_cache import QuantizationReport
 
-PRIMARY_CACHE_ROLE = "primary"
-
 # Modules outside the repeated blocks: small, used by every step, so they stay on the device under offload.
 RESIDENT_MODULES: tuple[str, ...] = (
     "token_embedding", "prefix_positions", "patch_embedding", "timestep_embedding", "final_layer",
@@ -30,8 +28,8 @@ FP8_IGNORE: tuple[str, ...] = ("patch_embedding", "timestep_embedding.*", "final
 
 
 def declare_kv_cache(model: CausalPrefixDiT, dtype: torch.dtype) -> None:
-    """Opt every attention layer into the paged cache (role ``primary``), K/V stored in ``dtype``."""
-    from diffusion_kv import KVCacheOptIn
+    """Opt every attention layer into the paged cache (``diffusion_kv.PRIMARY_CACHE_ROLE``), K/V in ``dtype``."""
+    from diffusion_kv import PRIMARY_CACHE_ROLE, KVCacheOptIn
 
     for block in model.blocks:
         block.attn.diffusion_kv_cache = KVCacheOptIn(

@@ -14,8 +14,8 @@ block weights serve the dense reference path (SDPA with the causal-prefix mask) 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,24 @@ from torch import Tensor, nn
 from omni_models.captions import PAD_ID
 from omni_models.config import DiTConfig
 
-# attend(attention, q_prefix, k_prefix, v_prefix, q_target, k_target, v_target) -> (out_prefix, out_target).
-# Tensors are [..., heads, head_size]; a side that is absent in this call is None on input and output.
-AttendFn = Callable[..., tuple[Tensor | None, Tensor | None]]
+class QKV(NamedTuple):
+    """One side's (prefix or target) queries, keys and values, each ``[..., heads, head_size]``."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+
+
+class AttendFn(Protocol):
+    """The attention op a block runs: ``attend(attention, prefix, target) -> (out_prefix, out_target)``.
+
+    ``attention`` is the calling layer (its ``layer_index`` picks the cache, if any). Outputs have their query's
+    shape; a side that is absent in this call (None) is None on output too.
+    """
+
+    def __call__(
+        self, attention: JointAttention, prefix: QKV | None, target: QKV | None
+    ) -> tuple[Tensor | None, Tensor | None]: ...
 
 
 class RMSNorm(nn.Module):
@@ -56,9 +71,9 @@ class JointAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_size)
         self.proj = nn.Linear(width, width)
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor) -> QKV:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_size)).unbind(-3)
-        return self.q_norm(q), self.k_norm(k), v
+        return QKV(self.q_norm(q), self.k_norm(k), v)
 
 
 class MLP(nn.Module):
@@ -101,14 +116,14 @@ class CausalPrefixBlock(nn.Module):
         attend: AttendFn,
         target_row_ids: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        q_p = k_p = v_p = q_t = k_t = v_t = None
+        prefix_qkv = target_qkv = None
         if prefix is not None:
-            q_p, k_p, v_p = self.attn.project(self.prefix_norm1(prefix))
+            prefix_qkv = self.attn.project(self.prefix_norm1(prefix))
         if target is not None:
             modulation = _per_token(self.modulation(F.silu(target_cond)), target_row_ids)
             shift1, scale1, gate1, shift2, scale2, gate2 = modulation.chunk(6, dim=-1)
-            q_t, k_t, v_t = self.attn.project(_modulate(self.target_norm1(target), shift1, scale1))
-        out_p, out_t = attend(self.attn, q_p, k_p, v_p, q_t, k_t, v_t)
+            target_qkv = self.attn.project(_modulate(self.target_norm1(target), shift1, scale1))
+        out_p, out_t = attend(self.attn, prefix_qkv, target_qkv)
         if prefix is not None:
             prefix = prefix + self.attn.proj(out_p.flatten(-2))
             prefix = prefix + self.mlp(self.prefix_norm2(prefix))
@@ -276,8 +291,8 @@ class CausalPrefixDiT(nn.Module):
         cond = self.timestep_condition(t)
         mask = causal_prefix_mask(text_valid, patches.shape[1])
 
-        def attend(attn, q_p, k_p, v_p, q_t, k_t, v_t):
-            q, k, v = (_heads_first(torch.cat(pair, dim=1)) for pair in ((q_p, q_t), (k_p, k_t), (v_p, v_t)))
+        def attend(attn: JointAttention, prefix: QKV, target: QKV) -> tuple[Tensor, Tensor]:
+            q, k, v = (_heads_first(torch.cat(pair, dim=1)) for pair in zip(prefix, target))
             out = _heads_first(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
             return out[:, :num_text], out[:, num_text:]
 
@@ -294,10 +309,10 @@ class CausalPrefixDiT(nn.Module):
         mask = causal_prefix_mask(text_valid, 0)
         cache = PrefixKV(keys=[], values=[], valid=text_valid)
 
-        def attend(attn, q_p, k_p, v_p, q_t, k_t, v_t):
-            cache.keys.append(k_p)
-            cache.values.append(v_p)
-            q, k, v = _heads_first(q_p), _heads_first(k_p), _heads_first(v_p)
+        def attend(attn: JointAttention, prefix: QKV, target: None) -> tuple[Tensor, None]:
+            cache.keys.append(prefix.key)
+            cache.values.append(prefix.value)
+            q, k, v = (_heads_first(x) for x in prefix)
             return _heads_first(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)), None
 
         for block in self.blocks:
@@ -316,10 +331,12 @@ class CausalPrefixDiT(nn.Module):
         )
         mask = key_valid.view(b, 1, 1, -1)
 
-        def attend(attn, q_p, k_p, v_p, q_t, k_t, v_t):
-            k = torch.cat([prefix_kv.keys[attn.layer_index].to(k_t.dtype), k_t], dim=1)
-            v = torch.cat([prefix_kv.values[attn.layer_index].to(v_t.dtype), v_t], dim=1)
-            out = F.scaled_dot_product_attention(_heads_first(q_t), _heads_first(k), _heads_first(v), attn_mask=mask)
+        def attend(attn: JointAttention, prefix: None, target: QKV) -> tuple[None, Tensor]:
+            k = torch.cat([prefix_kv.keys[attn.layer_index].to(target.key.dtype), target.key], dim=1)
+            v = torch.cat([prefix_kv.values[attn.layer_index].to(target.value.dtype), target.value], dim=1)
+            out = F.scaled_dot_product_attention(
+                _heads_first(target.query), _heads_first(k), _heads_first(v), attn_mask=mask
+            )
             return None, _heads_first(out)
 
         for block in self.blocks:

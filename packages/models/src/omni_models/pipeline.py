@@ -15,6 +15,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from diffusion_kv import (
+    PRIMARY_CACHE_ROLE,
+    AttentionCacheSpec,
+    DiffusionKVMetadata,
+    DiffusionKVSequenceMetadata,
+    RowIdentity,
+    WorkerRowTable,
+    allocate_kv_caches,
+    cdiv,
+    discover_kv_cache_specs,
+)
 from PIL import Image
 
 from omni_models import paged
@@ -35,6 +46,7 @@ MAX_INFERENCE_STEPS = 1000
 MAX_GUIDANCE_SCALE = 100.0
 MAX_SEED = 2**63 - 1
 CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
+_PRIVATE_REQUEST_ID = "private-pool"  # the one request a private pool's row table holds
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,9 @@ class Pipeline:
             vocabulary=tokenizer.vocabulary[2:],
         )
         declare_kv_cache(model, dtype)
+        self._kv_layers = tuple(discover_kv_cache_specs(model).values())  # block order: layer_index order
         self.kv_caches: list[torch.Tensor] = []
+        self._paged_kv: paged.PagedKV | None = None  # the bound caches plus the engine's row table
 
     # --- request validation -------------------------------------------------------------------------------------
 
@@ -164,34 +178,73 @@ class Pipeline:
             request_id=request_id,
         )
 
-    def kv_cache_specs(self) -> dict:
-        """Layer name -> ``diffusion_kv.AttentionCacheSpec`` for every attention layer (all role ``primary``)."""
-        from diffusion_kv import discover_kv_cache_specs
-
-        return discover_kv_cache_specs(self.model)
+    def kv_cache_specs(self) -> dict[str, AttentionCacheSpec]:
+        """Layer name -> ``diffusion_kv.AttentionCacheSpec`` for every attention layer (all ``PRIMARY_CACHE_ROLE``)."""
+        return dict(zip((spec.layer_name for spec in self._kv_layers), self._kv_layers))
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        """Allocate and bind one paged cache per layer, ``[num_blocks, 2, block_size, heads, head_size]``."""
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        """Allocate and bind one paged cache per layer, ``[num_blocks, 2, block_size, heads, head_size]``.
+
+        A row table bound before describes the old pool and is unbound: bind the new pool's with
+        ``bind_row_table``.
+        """
         self.kv_caches = self._new_caches(num_blocks, block_size)
+        self._paged_kv = None
         return self.kv_caches
 
     def _new_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        return [
-            torch.zeros(num_blocks, 2, block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
-                        device=self.device)
-            for spec in self.kv_cache_specs().values()
-        ]
+        return list(allocate_kv_caches(self.kv_cache_specs(), num_blocks, block_size, device=self.device).values())
+
+    def bind_row_table(self, table: WorkerRowTable) -> None:
+        """Read the rows of ``run_prefix``/``run_denoise_step`` batches from ``table`` (the engine installs and
+        retires them there); it must address the bound caches: same block size and device, no more blocks."""
+        self._paged_kv = paged.PagedKV(self._kv_layers, tuple(self.kv_caches), table)
+
+    def allocate_kv_caches_for(self, jobs: Sequence[GenerationJob], block_size: int) -> list[ScheduledJob]:
+        """Allocate and bind a pool holding exactly ``jobs``' rows, with its own row table, and return the jobs
+        scheduled on it (for a forward outside an engine's pool, e.g. memory profiling)."""
+        kv, batch = self._private_pool(jobs, block_size)
+        self.kv_caches, self._paged_kv = list(kv.caches), kv
+        return batch
+
+    def _private_pool(self, jobs: Sequence[GenerationJob], block_size: int) -> tuple[paged.PagedKV, list[ScheduledJob]]:
+        """A pool and row table holding ``jobs``' rows on consecutive blocks, installed as one request."""
+        rows = [row for job in jobs for row in job.rows]
+        sequences, next_block = [], 0
+        for sequence_id, row in enumerate(rows):
+            count = cdiv(row.num_tokens, block_size)
+            blocks = list(range(next_block, next_block + count))
+            sequences.append(DiffusionKVSequenceMetadata(sequence_id, row.prefix_len, row.target_len, row.num_tokens,
+                                                         (blocks,)))
+            next_block += count
+        table = WorkerRowTable(
+            num_rows=len(rows), max_rows_per_request=len(rows), num_blocks=next_block, block_size=block_size,
+            max_model_len=max(row.num_tokens for row in rows), registered_roles={PRIMARY_CACHE_ROLE},
+            device=self.device,
+        )
+        table.install(DiffusionKVMetadata(_PRIVATE_REQUEST_ID, 0, tuple(sequences)))
+        identities = iter([RowIdentity(_PRIVATE_REQUEST_ID, sequence_id=i) for i in range(len(rows))])
+        batch = [ScheduledJob(job, tuple(next(identities) for _ in job.rows)) for job in jobs]
+        return paged.PagedKV(self._kv_layers, tuple(self._new_caches(next_block, block_size)), table), batch
+
+    def _bound_kv(self) -> paged.PagedKV:
+        if self._paged_kv is None:
+            raise ValueError(
+                "no KV pool is bound: call allocate_kv_caches(num_blocks, block_size) and then bind_row_table(table)"
+            )
+        return self._paged_kv
 
     def run_prefix(self, batch: StepBatch) -> None:
         """Write every row's prefix K/V into its blocks of the bound caches (once per job)."""
-        paged.write_prefix(self.model, batch, self.kv_caches)
+        paged.write_prefix(self.model, self._bound_kv(), batch)
 
-    def run_denoise_step(self, batch: StepBatch) -> None:
-        """One Euler step for each job in the batch, reading cached prefix K/V through the block tables."""
-        paged.denoise_step(self.model, batch, self.kv_caches)
+    def run_denoise_step(self, batch: StepBatch, *, recompute_prefix: bool = False) -> None:
+        """One Euler step for each job in the batch, reading cached prefix K/V through the block tables.
+
+        ``recompute_prefix`` runs the prompt tokens through every block again instead (the no-reuse baseline of
+        the benchmarks: same images, more work).
+        """
+        paged.denoise_step(self.model, self._bound_kv(), batch, recompute_prefix=recompute_prefix)
 
     def decode(self, job: GenerationJob) -> Image.Image:
         if not job.finished:
@@ -241,20 +294,10 @@ class Pipeline:
         return self._generate_paged(jobs, callback_on_step_end)
 
     def _generate_paged(self, jobs: list[GenerationJob], callback) -> list[Image.Image]:
-        tables: list[tuple[list[int], ...]] = []
-        next_block = 0
-        for job in jobs:
-            job_tables = []
-            for row in job.rows:
-                count = -(-row.num_tokens // CALL_BLOCK_SIZE)
-                job_tables.append(list(range(next_block, next_block + count)))
-                next_block += count
-            tables.append(tuple(job_tables))
-        caches = self._new_caches(next_block, CALL_BLOCK_SIZE)
-        batch = [ScheduledJob(job, job_tables) for job, job_tables in zip(jobs, tables)]
-        paged.write_prefix(self.model, batch, caches)
+        kv, batch = self._private_pool(jobs, CALL_BLOCK_SIZE)
+        paged.write_prefix(self.model, kv, batch)
         for step in range(jobs[0].num_steps):
-            paged.denoise_step(self.model, batch, caches)
+            paged.denoise_step(self.model, kv, batch)
             if callback is not None:
                 callback(self, step, jobs[0].times[step], {"latents": torch.stack([job.latents for job in jobs])})
         return [self.decode(job) for job in jobs]

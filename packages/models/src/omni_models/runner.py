@@ -4,19 +4,18 @@ Lifecycle of one image (one ``GenerationJob``):
 
 1. ``job = pipeline.prepare(prompt, ...)`` validates the request and builds the job: ``job.rows`` holds one
    ``GenerationRow`` per CFG row, cond first (1 row when ``guidance_scale == 1``, else 2: cond, uncond). Each
-   row needs ``row.num_tokens = prefix_len + target_len`` KV slots in the paged pool (a ``DiffusionKVRequest``
-   with those lengths).
-2. The engine reserves blocks for every row and passes them in a ``ScheduledJob(job, block_tables)``, one block
-   id list per row in ``job.rows`` order, each covering at least ``row.num_tokens`` slots
-   (``ceil(num_tokens / block_size)`` blocks). Slot of token position p = ``table[p // block_size] *
-   block_size + p % block_size``; positions 0..prefix_len-1 are the prompt, the image follows.
+   row is one ``diffusion_kv`` row of ``row.num_tokens = prefix_len + target_len`` tokens (a
+   ``DiffusionKVRequest`` with those lengths); positions 0..prefix_len-1 are the prompt, the image follows.
+2. The engine reserves blocks for every row, installs the rows in the ``diffusion_kv.WorkerRowTable`` bound to
+   the pipeline (``pipeline.bind_row_table``), and passes the job as a ``ScheduledJob(job, rows)``: one
+   ``RowIdentity`` per row, in ``job.rows`` order.
 3. ``pipeline.run_prefix(batch)`` once per job (any number of jobs per call): writes every row's prefix K/V.
 4. ``pipeline.run_denoise_step(batch)`` once per step: one Euler step for every job in the batch. Jobs may be
    at different step indices and from different requests; all their rows go through one forward. Each call
-   rewrites the rows' target K/V slots and reads the cached prefix K/V; the block tables must stay the same
-   from ``run_prefix`` to the last step.
+   rewrites the rows' target K/V slots and reads the cached prefix K/V; the rows must stay installed from
+   ``run_prefix`` to the last step.
 5. ``job.finished`` becomes True after ``job.num_steps`` steps; ``pipeline.decode(job)`` returns the image.
-   The engine then frees the rows' blocks.
+   The engine then retires the rows and frees their blocks.
 
 A batch is any ``Sequence[ScheduledJob]``; a job appears at most once per batch.
 """
@@ -25,9 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor
+
+from omni_models.flow import euler_step, guided_velocity
+
+if TYPE_CHECKING:
+    from diffusion_kv import RowIdentity
 
 RowRole = Literal["cond", "uncond"]
 
@@ -90,13 +94,30 @@ class GenerationJob:
     def guided(self) -> bool:
         return len(self.rows) == 2
 
+    def advance(self, row_velocities: Sequence[Tensor]) -> None:
+        """One Euler step of the sampler from the velocities predicted for this job's rows (``rows`` order),
+        combined by classifier-free guidance when the job is guided."""
+        if len(row_velocities) != len(self.rows):
+            raise ValueError(f"job has {len(self.rows)} rows but got {len(row_velocities)} velocities")
+        if self.finished:
+            raise ValueError(f"job already ran all {self.num_steps} steps")
+        velocity = guided_velocity(
+            row_velocities[0], row_velocities[1] if self.guided else None, self.request.guidance_scale
+        )
+        self.latents = euler_step(self.latents, velocity, self.times[self.step_index], self.times[self.step_index + 1])
+        self.step_index += 1
+
 
 @dataclass(frozen=True)
 class ScheduledJob:
-    """A job plus the block table of each of its rows (``block_tables[i]`` belongs to ``job.rows[i]``)."""
+    """A job plus the ``diffusion_kv`` row of each of its rows (``rows[i]`` holds ``job.rows[i]``)."""
 
     job: GenerationJob
-    block_tables: tuple[Sequence[int], ...]
+    rows: tuple[RowIdentity, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.job.rows):
+            raise ValueError(f"job has {len(self.job.rows)} rows but {len(self.rows)} row identities")
 
 
 StepBatch = Sequence[ScheduledJob]

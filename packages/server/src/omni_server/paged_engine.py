@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffusion_kv import DiffusionKVRequest, RequestStatus, sequence_request_id
+from diffusion_kv import DiffusionKVRequest, RequestStatus, registered_roles, sequence_request_id
 from diffusion_kv.allocator import BlockPoolConfig
 from diffusion_kv.manager import DiffusionKVCacheManager
 from diffusion_kv.scheduler import DiffusionKVScheduler, NewRequestData
@@ -112,13 +112,14 @@ class PagedEngine:
             max_rows_per_request=max_rows,
         )
         self._scheduler = DiffusionKVScheduler(self._manager, max_num_seqs=config.max_num_seqs)
-        # Host-side block tables of the scheduled rows; the pipeline receives them per batch.
+        # The block tables of the scheduled rows, on the pipeline's device: its forwards read them from here.
         self._rows = WorkerRowTable(
             num_rows=self._scheduler.worker_row_pool_size, max_rows_per_request=max_rows,
             num_blocks=self.sizing.num_blocks, block_size=self.sizing.block_size,
             max_model_len=self.sizing.max_model_len,
-            registered_roles={spec.cache_role for spec in pipeline.kv_cache_specs().values()},
+            registered_roles=registered_roles(pipeline.kv_cache_specs()), device=self._device(),
         )
+        pipeline.bind_row_table(self._rows)
         if config.warmup:
             self._warm_up()
 
@@ -150,7 +151,7 @@ class PagedEngine:
         if config.kv_cache_memory_bytes:
             budget, source = config.kv_cache_memory_bytes, f"--kv-cache-memory-bytes {config.kv_cache_memory_bytes}"
         elif requested_memory is not None:
-            budget = self._profiled_budget(requested_memory, bytes_per_block, blocks_per_row)
+            budget = self._profiled_budget(requested_memory, bytes_per_block)
             source = f"profiled, --gpu-memory-utilization {config.gpu_memory_utilization}"
         else:
             # No reliable peak-memory probe on CPU: hold max_num_seqs guided single-image requests.
@@ -171,7 +172,7 @@ class PagedEngine:
     def _device(self) -> Any:
         return self._torch.device(getattr(self._pipeline, "device", "cpu"))
 
-    def _profiled_budget(self, requested_memory: int, bytes_per_block: int, blocks_per_row: int) -> int:
+    def _profiled_budget(self, requested_memory: int, bytes_per_block: int) -> int:
         """Run the largest batch the scheduler can form once; the KV pool gets the memory left over.
 
         That batch is ``max_num_seqs`` requests of ``MAX_IMAGES_PER_REQUEST`` guided images at the largest
@@ -182,19 +183,14 @@ class PagedEngine:
         from diffusion_kv.sizing import kv_budget_from_headroom, profile_non_kv_memory
 
         images = self._config.max_num_seqs * MAX_IMAGES_PER_REQUEST
-        profile_blocks = images * 2 * blocks_per_row + 1
-        self._pipeline.allocate_kv_caches(profile_blocks, self._config.block_size)
         height, width = max(self._card.sizes, key=lambda hw: hw[0] * hw[1])
-        batch = []
-        next_block = 1  # block 0 is the allocator's null block
-        for _ in range(images):
-            job = self._pipeline.prepare(self._any_word(), height=height, width=width, seed=0,
-                                         guidance_scale=max(self._card.default_guidance_scale, 2.0))  # guided: 2 rows
-            tables = []
-            for _row in job.rows:
-                tables.append(list(range(next_block, next_block + blocks_per_row)))
-                next_block += blocks_per_row
-            batch.append(self._scheduled_job(job, tuple(tables)))
+        jobs = [
+            self._pipeline.prepare(self._any_word(), height=height, width=width, seed=0,
+                                   guidance_scale=max(self._card.default_guidance_scale, 2.0))  # guided: 2 rows
+            for _ in range(images)
+        ]
+        batch = self._pipeline.allocate_kv_caches_for(jobs, self._config.block_size)
+        profile_blocks = self._pipeline.kv_caches[0].shape[0]
 
         def profile_forward() -> None:
             self._pipeline.run_prefix(batch)
@@ -297,8 +293,7 @@ class PagedEngine:
         sequence_ids = iter(range(len(envelope.diffusion_kv_metadata.sequences)))
         request.scheduled = [
             self._scheduled_job(job, tuple(
-                self._rows.row(RowIdentity(request.request_id, sequence_id=next(sequence_ids))).block_ids
-                for _row in job.rows
+                RowIdentity(request.request_id, sequence_id=next(sequence_ids)) for _row in job.rows
             ))
             for job in request.jobs
         ]

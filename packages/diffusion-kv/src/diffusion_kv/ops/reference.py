@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from diffusion_kv._validation import cdiv
+from diffusion_kv.ops.attention_metadata import PagedAttentionMetadata
 
-def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata) -> None:
     """Scatter each token's K/V into `kv_cache[slot // B, {0,1}, slot % B]`; negative slots are skipped."""
     block_size = kv_cache.shape[2]
-    slots = slot_mapping.to(torch.int64)
+    slots = metadata.slot_mapping
     keep = slots >= 0
     slots = slots[keep]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
@@ -26,7 +29,7 @@ def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: T
 def gather_row_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     """Return one row's `[seq_len, num_kv_heads, head_size]` K and V, read through its block table."""
     block_size = kv_cache.shape[2]
-    num_used = -(-seq_len // block_size)
+    num_used = cdiv(seq_len, block_size)
     pages = kv_cache[block_table_row[:num_used].to(torch.int64)]  # [n, 2, B, Hkv, D]
     keys = pages[:, 0].reshape(num_used * block_size, *kv_cache.shape[3:])[:seq_len]
     values = pages[:, 1].reshape(num_used * block_size, *kv_cache.shape[3:])[:seq_len]
@@ -34,28 +37,19 @@ def gather_row_kv(kv_cache: Tensor, block_table_row: Tensor, seq_len: int) -> tu
 
 
 def paged_attention(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    query_pos_start: Tensor,
-    scale: float,
-    causal_prefix_lens: Tensor | None,
-    out: Tensor,
+    query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float, out: Tensor
 ) -> Tensor:
     """Row-by-row attention in fp32 over keys read through each row's block table; writes `out`."""
-    num_heads = query.shape[1]
-    group = num_heads // kv_cache.shape[3]
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    starts = query_pos_start.tolist()
-    prefix_lens = causal_prefix_lens.tolist() if causal_prefix_lens is not None else None
-    for row, seq_len in enumerate(lens):
+    group = query.shape[1] // kv_cache.shape[3]
+    qsl = metadata.query_start_loc.tolist()
+    starts = metadata.query_pos_start.tolist()
+    causal = metadata.causal_prefix_lens
+    prefix_lens = causal.tolist() if causal is not None else None
+    for row, seq_len in enumerate(metadata.seq_lens.tolist()):
         q_lo, q_hi = qsl[row], qsl[row + 1]
         if q_hi == q_lo:
             continue
-        keys, values = gather_row_kv(kv_cache, block_tables[row], seq_len)
+        keys, values = gather_row_kv(kv_cache, metadata.block_tables[row], seq_len)
         q = query[q_lo:q_hi].float().transpose(0, 1)  # [H, q, D]
         k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)

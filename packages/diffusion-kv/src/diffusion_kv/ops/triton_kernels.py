@@ -10,7 +10,8 @@ otherwise (small or odd page sizes) each key's page is looked up. The optional c
 tiles that hold prefix queries; target-only tiles run unmasked except on the last,
 partial key tile.
 
-Inputs are validated by `diffusion_kv.ops` before they reach these launchers.
+Inputs are validated by `diffusion_kv.ops` before they reach these launchers; the row metadata is
+int32 (`PagedAttentionMetadata` enforces it), which keeps every branch of the kernel type-consistent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton import knobs
+
+from diffusion_kv.ops.attention_metadata import PagedAttentionMetadata
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 MAX_HEAD_SIZE = 256  # a BLOCK_M x head_size fp32 accumulator beyond this does not fit in registers
@@ -52,11 +55,11 @@ def _write_kv_kernel(
         tl.store(dst + stride_ckv, v, mask=mask)
 
 
-def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata) -> None:
     """Launch one program per token; negative slots return without writing."""
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     _write_kv_kernel[(key.shape[0],)](
-        key, value, kv_cache, slot_mapping,
+        key, value, kv_cache, metadata.slot_mapping,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -271,19 +274,11 @@ _tuned_paged_attention = (
 
 
 def paged_attention(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    query_pos_start: Tensor,
-    scale: float,
-    causal_prefix_lens: Tensor | None,
-    out: Tensor,
-    max_query_len: int,
+    query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float, out: Tensor
 ) -> Tensor:
     """Launch a `(query tiles, heads, rows)` grid; tiles past a row's queries exit at once."""
-    num_rows = block_tables.shape[0]
+    num_rows = metadata.num_rows
+    max_query_len = metadata.max_query_len
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     if head_size > MAX_HEAD_SIZE:
@@ -293,13 +288,7 @@ def paged_attention(
         )
     if query.stride(2) != 1:
         query = query.contiguous()
-    # One integer width for the row metadata keeps every branch of the kernel type-consistent
-    # (no-ops for the int32 tensors the contract asks for).
-    block_tables, query_start_loc, seq_lens, query_pos_start = (
-        t.to(torch.int32) for t in (block_tables, query_start_loc, seq_lens, query_pos_start)
-    )
-    if causal_prefix_lens is not None:
-        causal_prefix_lens = causal_prefix_lens.to(torch.int32)
+    causal_prefix_lens = metadata.causal_prefix_lens
     result = out if out.stride(2) == 1 else out.new_empty(out.shape)
 
     # Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits, so
@@ -315,14 +304,14 @@ def paged_attention(
         kernel, tile = _paged_attention_kernel, _FIXED_TILE
     kernel[grid](
         query, kv_cache, result,
-        block_tables, query_start_loc, seq_lens, query_pos_start,
-        causal_prefix_lens if causal_prefix_lens is not None else seq_lens,
+        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, metadata.query_pos_start,
+        causal_prefix_lens if causal_prefix_lens is not None else metadata.seq_lens,
         scale * 1.4426950408889634,  # log2(e): the kernel exponentiates in base 2
         _query_len_bucket(max_query_len),
         query.stride(0), query.stride(1),
         result.stride(0), result.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0),
+        metadata.block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads,
         PAGE_SIZE=page_size,
         HEAD_SIZE=head_size,
