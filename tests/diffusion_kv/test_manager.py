@@ -416,19 +416,6 @@ def test_context_capacity_pressure_rolls_back_partial_request(make_manager):
     manager.check_invariants()
 
 
-def test_kv_transfer_params_with_contexts_are_rejected(make_manager):
-    manager = make_manager(8, wrap=Spy)
-    text = DiffusionKVContext("ar", "ar_decode", 4)
-    with pytest.raises(DiffusionKVAdmissionError, match="contexts cannot receive transferred KV"):
-        manager.reserve_request(
-            "pub", _seqs("pub", 1, contexts=(text,), kv_transfer_params={"do_remote_prefill": True})
-        )
-    assert manager.allocator.allocate_calls == 0
-    # Either alone is fine.
-    assert manager.reserve_request("a", _seqs("a", 1, kv_transfer_params={"do_remote_prefill": True})) is not None
-    assert manager.reserve_request("b", _seqs("b", 1, contexts=(text,))) is not None
-
-
 def test_close_releases_every_public_request(make_manager):
     manager = make_manager(16)
     text = DiffusionKVContext("text", "cross.text", 4)

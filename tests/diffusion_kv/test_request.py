@@ -85,7 +85,7 @@ def test_context_is_frozen_value_with_tuple_hashes():
 
 
 def test_request_exposes_the_native_request_surface():
-    request = _request(block_hashes=[b"h0"], kv_transfer_params={"do_remote_prefill": True}, prompt_token_ids=[1, 2])
+    request = _request(block_hashes=[b"h0"], prompt_token_ids=[1, 2])
     assert request.request_id == "req/diffusion-kv/0"
     assert (request.num_tokens, request.seq_len, request.num_prompt_tokens) == (8, 8, 3)
     assert request.num_computed_tokens == 0
@@ -93,7 +93,6 @@ def test_request_exposes_the_native_request_surface():
     assert request.skip_reading_prefix_cache is False
     assert request.status is RequestStatus.WAITING
     assert (request.num_preemptions, request.num_in_flight_tokens, request.shared_prefix_boundary) == (0, 0, 0)
-    assert request.kv_transfer_params == {"do_remote_prefill": True}
     assert request.prompt_token_ids == [1, 2]
     assert _request().skip_reading_prefix_cache is True
     with pytest.raises(AttributeError):
@@ -107,7 +106,7 @@ def test_context_shim_never_reads_the_prefix_cache():
     assert (shim.num_tokens, shim.num_prompt_tokens, shim.num_computed_tokens) == (6, 6, 0)
     assert shim.block_hashes == [b"x"]
     assert shim.skip_reading_prefix_cache is True
-    assert shim.kv_transfer_params is None and shim.prompt_token_ids is None
+    assert shim.prompt_token_ids is None
     assert shim.status is RequestStatus.WAITING
 
 

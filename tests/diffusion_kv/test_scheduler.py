@@ -176,7 +176,7 @@ def test_finish_requires_a_finished_status(make_scheduler):
 def test_rejects_request_without_kv_requests(make_scheduler, kv_requests):
     scheduler = make_scheduler(8)
     with pytest.raises(
-        ValueError, match="paged_scheduler request preprocessing did not produce DiffusionKVRequest state"
+        ValueError, match="has no diffusion_kv_requests: give it one DiffusionKVRequest per CFG row"
     ):
         scheduler.add_request(EngineRequest("pub", kv_requests))
     assert not scheduler.has_requests()
@@ -282,42 +282,6 @@ def test_pop_refuses_an_unfinished_request(make_scheduler):
         scheduler.pop_request_state("pub")
 
 
-def test_kv_transfer_params_with_contexts_fail_admission_only_for_that_request(make_scheduler):
-    scheduler = make_scheduler(8, max_num_seqs=2)
-    ar = DiffusionKVContext("ar", "ar_decode", 4)
-    scheduler.add_request(_request("remote", contexts=(ar,), kv_transfer_params={"do_remote_prefill": True}))
-    scheduler.add_request(_request("local"))
-    output = scheduler.schedule()
-    assert _ids(output.scheduled_new_reqs) == ["local"]
-    state = scheduler.get_request_state("remote")
-    assert state.status is RequestStatus.FINISHED_ERROR
-    assert "contexts cannot receive transferred KV" in state.error
-    assert scheduler.manager.allocator.allocate_calls == 1  # only "local"'s row
-
-
-def test_finishing_while_kv_loads_drains_until_released(make_scheduler):
-    scheduler = make_scheduler(8)
-    scheduler.add_request(_request("pub", contexts=(DiffusionKVContext("ar", "ar_decode", 4),)))
-    scheduler.schedule()
-    scheduler.set_kv_loading("pub", True)
-    assert not scheduler.preempt_request("pub")
-    free = scheduler.manager.get_num_free_blocks()
-    scheduler.finish_requests(["pub"], RequestStatus.FINISHED_ABORTED)
-    assert scheduler.manager.has_request("pub") and scheduler.manager.get_num_free_blocks() == free
-    assert scheduler.has_requests() and scheduler.completed_kv_drains() == set()
-    scheduler.pop_request_state("pub")
-    with pytest.raises(ValueError, match="request_id 'pub' is already active."):
-        scheduler.add_request(_request("pub"))
-    with pytest.raises(ValueError, match="Cannot release diffusion pages before KV receive completes"):
-        scheduler.release_kv_drains(["pub"])
-    scheduler.set_kv_loading("pub", False)
-    assert scheduler.completed_kv_drains() == {"pub"}
-    scheduler.release_kv_drains(["pub"])
-    _assert_baseline(scheduler)
-    assert not scheduler.has_requests()
-    scheduler.add_request(_request("pub"))
-
-
 def test_preempt_refuses_unknown_and_waiting_requests(make_scheduler):
     scheduler = make_scheduler(8)
     assert not scheduler.preempt_request("nope")
@@ -351,72 +315,3 @@ def test_close_releases_everything(make_scheduler):
     scheduler.close()
     assert not scheduler.has_requests()
     _assert_baseline(scheduler)
-
-
-def test_prefetch_succeeds_while_another_request_runs_and_is_reused_at_admission(make_scheduler):
-    """max_num_seqs=1: no aggregate row gate refuses the prefetch of the next request."""
-    scheduler = make_scheduler(16, max_num_seqs=1, max_rows=2)
-    text = DiffusionKVContext("text", "cross.text", 4)
-    scheduler.add_request(_request("running", contexts=(text,)))
-    output = scheduler.schedule()
-    scheduler.add_request(_request("next", contexts=(text,)))
-    prefetched = scheduler.prefetch_waiting_head()
-    assert prefetched is not None and prefetched.contexts[0].context_id == "text"
-    assert scheduler.get_request_state("next").status is RequestStatus.WAITING
-    assert scheduler.prefetch_waiting_head() is None  # already reserved: nothing to do
-    assert _ids(scheduler.schedule().scheduled_new_reqs) == []  # still one running slot
-    scheduler.update_from_output(output, completed=["running"])
-    (envelope,) = scheduler.schedule().scheduled_new_reqs
-    assert envelope.request_id == "next" and envelope.diffusion_kv_metadata == prefetched
-    assert envelope.diffusion_kv_metadata.allocation_generation == prefetched.allocation_generation
-
-
-def test_prefetched_request_aborted_while_loading_holds_context_blocks_until_released(make_scheduler):
-    scheduler = make_scheduler(16, max_num_seqs=1)
-    scheduler.add_request(_request("running"))
-    scheduler.schedule()
-    scheduler.add_request(_request("next", contexts=(DiffusionKVContext("ar", "ar_decode", 8),)))
-    assert scheduler.prefetch_waiting_head() is not None
-    scheduler.set_kv_loading("next", True)
-    held = scheduler.manager.get_num_free_blocks()
-    scheduler.finish_requests(["next"], RequestStatus.FINISHED_ABORTED)
-    assert scheduler.manager.get_num_free_blocks() == held and scheduler.manager.has_request("next")
-    scheduler.set_kv_loading("next", False)
-    scheduler.release_kv_drains(scheduler.completed_kv_drains())
-    scheduler.finish_requests(["running"], RequestStatus.FINISHED_STOPPED)
-    _assert_baseline(scheduler)
-
-
-def test_prefetch_capacity_and_admission_outcomes(make_scheduler):
-    scheduler = make_scheduler(4, max_num_seqs=1)  # 3 usable blocks
-    assert scheduler.prefetch_waiting_head() is None  # empty queue
-    scheduler.add_request(_request("running"))  # 2 blocks
-    scheduler.schedule()
-    scheduler.add_request(_request("waits"))  # 2 blocks: no space now
-    assert scheduler.prefetch_waiting_head() is None
-    assert not scheduler.manager.has_request("waits")
-    scheduler.manager.check_invariants()
-    scheduler.finish_requests(["waits"], RequestStatus.FINISHED_ABORTED)
-    scheduler.add_request(_request("never", rows=2))  # 4 blocks > 3: can never fit
-    assert scheduler.prefetch_waiting_head() is None
-    assert scheduler.get_request_state("never").status is RequestStatus.FINISHED_ERROR
-    assert not scheduler.waiting
-
-
-def test_prefetch_skips_a_preempted_head(make_scheduler):
-    scheduler = make_scheduler(8)
-    scheduler.add_request(_request("pub"))
-    scheduler.schedule()
-    scheduler.preempt_request("pub")
-    assert scheduler.prefetch_waiting_head() is None
-
-
-def test_a_head_whose_kv_is_still_loading_is_not_admitted(make_scheduler):
-    scheduler = make_scheduler(16, max_num_seqs=2)
-    scheduler.add_request(_request("loading"))
-    scheduler.add_request(_request("behind"))
-    assert scheduler.prefetch_waiting_head() is not None
-    scheduler.set_kv_loading("loading", True)
-    assert scheduler.schedule().num_scheduled_reqs == 0  # FIFO: "behind" does not pass it
-    scheduler.set_kv_loading("loading", False)
-    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["loading", "behind"]

@@ -43,7 +43,6 @@ class ReservationMachine(RuleBasedStateMachine):
         self.baseline = self.manager.get_num_free_blocks()
         self.last_output = None
         self.max_generation = 0
-        self.prefetched_generations: dict[str, int] = {}
 
     def _states(self, *statuses):
         return sorted(
@@ -70,13 +69,10 @@ class ReservationMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self):
         output = self.scheduler.schedule()
-        for envelope in output.scheduled_new_reqs:
+        for envelope in output.scheduled_new_reqs:  # fresh reservations: generations only ever grow
             generation = envelope.diffusion_kv_metadata.allocation_generation
-            if generation > self.max_generation:  # fresh reservations only ever grow
-                self.max_generation = generation
-            else:  # only a prefetched reservation may come back with an older generation
-                assert envelope.request_id in self.prefetched_generations
-                assert self.prefetched_generations[envelope.request_id] == generation
+            assert generation > self.max_generation
+            self.max_generation = generation
         self.last_output = output
 
     @precondition(lambda self: self.last_output is not None)
@@ -88,17 +84,6 @@ class ReservationMachine(RuleBasedStateMachine):
         finished = self.scheduler.update_from_output(self.last_output, completed=done)
         assert set(done) <= finished
         self.last_output = None
-
-    @rule()
-    def prefetch(self):
-        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-        metadata = self.scheduler.prefetch_waiting_head()
-        if metadata is not None:
-            assert metadata.request_id == head
-            assert self.scheduler.get_request_state(head).status is RequestStatus.WAITING
-            assert metadata.allocation_generation > self.max_generation
-            self.max_generation = metadata.allocation_generation
-            self.prefetched_generations[head] = metadata.allocation_generation
 
     @rule(public_id=st.sampled_from(PUBLIC_IDS))
     def abort(self, public_id):
@@ -132,8 +117,8 @@ class ReservationMachine(RuleBasedStateMachine):
         self.manager.check_invariants()
         owners = set(self.manager._metadata)
         installed = set(self._states(RequestStatus.RUNNING, RequestStatus.PREEMPTED))
-        # Owners are the installed requests plus, at most, prefetched waiters.
-        assert installed <= owners <= installed | set(self._states(RequestStatus.WAITING))
+        # Exactly the installed (running or preempted) requests own blocks.
+        assert owners == installed
         assert len(self.scheduler.running) <= self.scheduler.max_num_running_reqs
         rows = sum(self.manager.get_metadata(r).num_rows for r in installed)
         assert rows <= self.scheduler.worker_row_pool_size

@@ -106,3 +106,44 @@ def test_every_package_has_a_version_and_readme(package: str) -> None:
     assert re.search(r'^__version__ = "\d+\.\d+\.\d+"$', init, re.MULTILINE), f"{package} has no __version__"
     readme = PACKAGES[package].parents[1] / "README.md"
     assert readme.is_file() and len(readme.read_text()) > 500, f"{readme} is missing or a placeholder"
+
+
+def _bound_names(statements: list[ast.stmt]) -> set[str]:
+    """Names a module binds at top level (``if`` blocks such as ``TYPE_CHECKING`` included)."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.If):
+            names |= _bound_names(node.body) | _bound_names(node.orelse)
+    return names
+
+
+# Package roots whose public API is their __all__ (cfg_pairing joins once it stops exporting private names).
+API_ROOTS = ("diffusion_kv", "dlo_offload", "fp8_cache", "omni_models", "omni_server")
+
+
+@pytest.mark.parametrize("package", API_ROOTS)
+def test_package_root_exports_an_all_of_public_bound_names(package: str) -> None:
+    tree = ast.parse((PACKAGES[package] / "__init__.py").read_text())
+    exported = next(
+        (ast.literal_eval(node.value) for node in tree.body
+         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)),
+        None,
+    )
+    assert exported, f"{package}/__init__.py has no __all__"
+    private = [name for name in exported if name.startswith("_") and not name.startswith("__")]
+    assert not private, f"{package} exports private names {private}"
+    lazy = {  # names resolved on first use through a module-level `_LAZY = {name: module}` table
+        key.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+        for key in node.value.keys if isinstance(key, ast.Constant)
+    }
+    unbound = sorted(set(exported) - _bound_names(tree.body) - lazy)
+    assert not unbound, f"{package}.__all__ names {unbound}, which the module does not define"
+    assert len(set(exported)) == len(exported), f"{package}.__all__ lists a name twice"

@@ -1,16 +1,10 @@
-"""Paged KV cache for diffusion transformers: atomic CFG reservation over vLLM's KVCacheManager, shared contexts, scheduler admission, worker block tables and paged non-causal attention."""
+"""Paged KV cache for diffusion transformers: atomic CFG reservation over vLLM's KVCacheManager, shared contexts,
+scheduler admission, worker block tables and paged non-causal attention."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # --- control plane (requests, metadata, manager, scheduler) ---
 from diffusion_kv.allocator import BlockAllocator, BlockPoolConfig, BuiltinBlockPool
-from diffusion_kv.config import (
-    DiffusionKVCacheMode,
-    DiffusionKVConfig,
-    is_scheduler_paged_kv_mode,
-    parse_diffusion_kv_cache_mode,
-    worker_row_pool_size,
-)
 from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
 from diffusion_kv.manager import DiffusionKVCacheManager
 from diffusion_kv.metadata import (
@@ -49,3 +43,45 @@ from diffusion_kv.specs import (
 )
 from diffusion_kv.worker import RowIdentity, WorkerRowTable
 # --- end data plane ---
+
+__all__ = [
+    # control plane
+    "BlockAllocator",
+    "BlockPoolConfig",
+    "BuiltinBlockPool",
+    "DiffusionKVAdmissionError",
+    "DiffusionKVCacheManager",
+    "DiffusionKVContext",
+    "DiffusionKVContextMetadata",
+    "DiffusionKVInvariantError",
+    "DiffusionKVMetadata",
+    "DiffusionKVRequest",
+    "DiffusionKVScheduler",
+    "DiffusionKVSequenceMetadata",
+    "NewRequestData",
+    "RequestState",
+    "RequestStatus",
+    "SchedulerOutput",
+    "context_request_id",
+    "sequence_request_id",
+    "validate_new_request_data_identity",
+    # data plane
+    "PRIMARY_CACHE_ROLE",
+    "AttentionCacheSpec",
+    "BatchRow",
+    "KVCacheConfigs",
+    "KVCacheOptIn",
+    "PagedAttentionMetadata",
+    "PreparedBatch",
+    "RowIdentity",
+    "WorkerRowTable",
+    "allocate_kv_caches",
+    "build_kv_cache_configs",
+    "cdiv",
+    "determine_available_kv_memory",
+    "discover_kv_cache_specs",
+    "paged_attention",
+    "prepare_batch",
+    "registered_roles",
+    "write_kv_cache",
+]

@@ -46,12 +46,9 @@ class DiffusionKVCacheManager:
     engine-fatal). An exception raised by the allocator itself is re-raised
     unchanged after the partial reservation has been undone.
 
-    There is deliberately no aggregate Worker-row gate here: Worker rows are
-    held only by *scheduled* requests and the row pool is sized
-    ``max_num_seqs * max_rows_per_request`` (``config.worker_row_pool_size``);
-    prefetched or draining reservations hold blocks, not rows. Counting them
-    against rows would refuse legitimate prefetches (see the scheduler for the
-    FIFO admission rule this relies on).
+    There is no aggregate Worker-row gate here: the scheduler bounds the
+    reservations it makes to the rows of at most ``max_num_seqs`` requests
+    (``DiffusionKVScheduler.worker_row_pool_size``) and asserts it.
     """
 
     def __init__(
@@ -127,7 +124,7 @@ class DiffusionKVCacheManager:
         return self.allocator.get_num_free_blocks()
 
     def has_request(self, public_request_id: str) -> bool:
-        """True while the reservation is live (running, waiting-prefetched, preempted or draining)."""
+        """True while the reservation is live (from ``reserve_request`` until ``free_request``)."""
         return public_request_id in self._metadata
 
     def get_metadata(self, public_request_id: str) -> DiffusionKVMetadata:
@@ -180,15 +177,6 @@ class DiffusionKVCacheManager:
             raise DiffusionKVAdmissionError(
                 "Diffusion KV requests must be ordered by contiguous sequence_id values: "
                 f"expected={list(range(len(sequences)))}, got={sequence_ids}"
-            )
-        if contexts and any(sequence.kv_transfer_params is not None for sequence in sequences):
-            # Contexts are never KV-transfer destinations: the transfer paths
-            # are sequence-only, so a context row would sit on fresh pages that
-            # nothing loads.
-            raise DiffusionKVAdmissionError(
-                f"Diffusion KV request {public_request_id!r} carries kv_transfer_params and request-scoped "
-                "contexts; contexts cannot receive transferred KV, so produce them in-stage "
-                "(drop kv_transfer_params) or send the request without kv_contexts"
             )
         shims = tuple([_ContextKVRequest(public_request_id, context) for context in contexts])
         rows: tuple[_Row, ...] = sequences + shims

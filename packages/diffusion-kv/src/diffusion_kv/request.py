@@ -131,7 +131,6 @@ class _NativeRequestSurface:
         "num_preemptions",
         "num_in_flight_tokens",
         "shared_prefix_boundary",
-        "kv_transfer_params",
         "prompt_token_ids",
     )
 
@@ -143,7 +142,6 @@ class _NativeRequestSurface:
         num_prompt_tokens: int,
         block_hashes: list[BlockHash],
         skip_reading_prefix_cache: bool,
-        kv_transfer_params: dict[str, Any] | None,
         prompt_token_ids: list[int] | None,
     ) -> None:
         self.request_id = request_id
@@ -158,7 +156,6 @@ class _NativeRequestSurface:
         # vLLM 0.26+ reads this when publishing cached blocks; 0 = no
         # sparse-retention boundary.
         self.shared_prefix_boundary = 0
-        self.kv_transfer_params = kv_transfer_params
         self.prompt_token_ids = prompt_token_ids
 
 
@@ -192,7 +189,6 @@ class DiffusionKVRequest(_NativeRequestSurface):
         seq_len: int,
         block_hashes: Iterable[BlockHash] = (),
         kv_contexts: Iterable[DiffusionKVContext] = (),
-        kv_transfer_params: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -228,7 +224,6 @@ class DiffusionKVRequest(_NativeRequestSurface):
             num_prompt_tokens=prefix_len,
             block_hashes=hashes,
             skip_reading_prefix_cache=not hashes,
-            kv_transfer_params=kv_transfer_params,
             prompt_token_ids=prompt_token_ids,
         )
 
@@ -249,10 +244,9 @@ class _ContextKVRequest(_NativeRequestSurface):
     """Native-request-shaped shim through which the allocator reserves one context row.
 
     The manager keeps shims apart from the sequence collection, so no
-    sequence-only policy (prefix lookup/publication, KV transfer, sequence
-    metadata) can mistake a context for an execution sequence. A shim never
-    reads the prefix cache (``skip_reading_prefix_cache`` is always True) and
-    never carries KV-transfer parameters.
+    sequence-only policy (prefix lookup/publication, sequence metadata) can
+    mistake a context for an execution sequence. A shim never reads the prefix
+    cache (``skip_reading_prefix_cache`` is always True).
     """
 
     __slots__ = ("context",)
@@ -265,7 +259,6 @@ class _ContextKVRequest(_NativeRequestSurface):
             num_prompt_tokens=context.num_tokens,
             block_hashes=list(context.block_hashes),
             skip_reading_prefix_cache=True,
-            kv_transfer_params=None,
             prompt_token_ids=None,
         )
 

@@ -23,9 +23,9 @@ Admission rules:
 - Preemption keeps the reservation and the Worker rows and puts the request
   back at the *head* of the queue, so it resumes ahead of every new request.
 
-Worker-row safety (why there is no aggregate row gate): the Worker row pool
-has ``max_num_seqs * max_rows_per_request`` rows and rows are held only by
-running and preempted requests. Because preempted requests re-enter at the
+Worker-row safety: the Worker row pool has ``max_num_seqs *
+max_rows_per_request`` rows, and only running and preempted requests hold
+rows (and reservations). Because preempted requests re-enter at the
 head and admission never skips the head, running + preempted requests never
 exceed ``max_num_seqs``, so their rows always fit. ``schedule()`` asserts this
 (``DiffusionKVInvariantError``) instead of trusting it: any future queue
@@ -72,7 +72,6 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     allocation_generation: int | None = None
-    kv_loading: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -145,8 +144,6 @@ class DiffusionKVScheduler:
         self._states: dict[str, RequestState] = {}
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
-        # Finished while their KV receive was loading: pages held until released.
-        self._draining: dict[str, RequestState] = {}
         # Finished since the last schedule(): go out in the next output.
         self._finished_for_workers: dict[str, int | None] = {}
         # Finished and not yet returned by update_from_output.
@@ -161,11 +158,13 @@ class DiffusionKVScheduler:
         request_id = request.request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        if request_id in self._states or request_id in self._draining:
+        if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already active.")
         kv_requests = request.diffusion_kv_requests
         if not kv_requests:
-            raise ValueError("paged_scheduler request preprocessing did not produce DiffusionKVRequest state")
+            raise ValueError(
+                f"request {request_id!r} has no diffusion_kv_requests: give it one DiffusionKVRequest per CFG row"
+            )
         kv_requests = tuple(kv_requests)
         if not all(isinstance(kv_request, DiffusionKVRequest) for kv_request in kv_requests):
             raise TypeError("diffusion_kv_requests must contain only DiffusionKVRequest values")
@@ -188,9 +187,7 @@ class DiffusionKVScheduler:
             request_id = self.waiting[0]
             state = self._states[request_id]
             resumed = state.status == RequestStatus.PREEMPTED
-            if state.kv_loading:
-                break  # its KV is still arriving: it cannot run yet, and nothing may pass it
-            if self.manager.has_request(request_id):
+            if resumed:  # it kept its reservation (and its Worker rows)
                 metadata = self.manager.get_metadata(request_id)
             else:
                 try:
@@ -260,9 +257,7 @@ class DiffusionKVScheduler:
         """Finish (complete, abort, fail) requests and release their KV at once.
 
         Unknown or already finished ids are ignored. A waiting request that
-        was never reserved allocates nothing. A request whose KV receive is
-        still loading moves to draining and keeps its blocks until
-        ``release_kv_drains``.
+        was never reserved allocates nothing.
         """
         status = RequestStatus(status)
         if not status.is_finished:
@@ -279,41 +274,13 @@ class DiffusionKVScheduler:
                 self.waiting.remove(request_id)
             self._finish(state, status)
 
-    def prefetch_waiting_head(self) -> DiffusionKVMetadata | None:
-        """Reserve pages for the head of the queue before it can run (e.g. to receive its KV).
-
-        The head stays WAITING and holds blocks but no Worker rows; when it is
-        admitted it reuses this reservation (same generation and metadata).
-        Returns the metadata, or ``None`` when there is no unreserved,
-        never-preempted head or no space right now. Works while every running
-        slot is taken: there is deliberately no aggregate row gate, because
-        a prefetched reservation owns no rows. A request-caused failure
-        finishes the head with ``FINISHED_ERROR``; anything else is fatal.
-        """
-        self._check_alive()
-        if not self.waiting:
-            return None
-        request_id = self.waiting[0]
-        state = self._states[request_id]
-        if state.status != RequestStatus.WAITING or self.manager.has_request(request_id):
-            return None
-        try:
-            return self.manager.reserve_request(request_id, state.kv_requests)
-        except DiffusionKVAdmissionError as exc:
-            self.waiting.popleft()
-            self._finish(state, RequestStatus.FINISHED_ERROR, error=str(exc))
-            return None
-        except Exception as exc:
-            self._die(exc, f"prefetching KV for request {request_id!r}")
-
     def preempt_request(self, request_id: str) -> bool:
         """Move a running request to the head of the queue, keeping its reservation and rows.
 
-        Returns False (and changes nothing) for an unknown, not running, or
-        KV-loading request.
+        Returns False (and changes nothing) for an unknown or not running request.
         """
         state = self._states.get(request_id)
-        if state is None or state.kv_loading or request_id not in self.running:
+        if state is None or request_id not in self.running:
             return False
         self.running.remove(request_id)
         self.waiting.appendleft(request_id)
@@ -336,43 +303,16 @@ class DiffusionKVScheduler:
         return self._states.pop(request_id)
 
     def has_requests(self) -> bool:
-        """True while anything is waiting, running or draining KV."""
-        return bool(self.waiting or self.running or self._draining)
-
-    # -- KV receive (remote prefill) bookkeeping ----------------------------------------
-
-    def set_kv_loading(self, request_id: str, loading: bool) -> None:
-        """Mark whether a request's KV is being received into its reserved pages.
-
-        While loading, finishing the request drains it (pages stay held) and
-        it cannot be preempted. A draining request is found even after its
-        state was popped.
-        """
-        state = self._draining.get(request_id) or self.get_request_state(request_id)
-        state.kv_loading = loading
-
-    def completed_kv_drains(self) -> set[str]:
-        """Draining requests whose KV receive has finished (safe to release)."""
-        return {request_id for request_id, state in self._draining.items() if not state.kv_loading}
-
-    def release_kv_drains(self, request_ids: Iterable[str]) -> None:
-        """Free drained reservations; call after every rank finished and retired the rows."""
-        request_ids = tuple(request_ids)
-        still_loading = sorted(r for r in request_ids if r in self._draining and self._draining[r].kv_loading)
-        if still_loading:
-            raise ValueError(f"Cannot release diffusion pages before KV receive completes: {still_loading}")
-        for request_id in request_ids:
-            if self._draining.pop(request_id, None) is not None:
-                self.manager.free_request(request_id)
+        """True while anything is waiting or running."""
+        return bool(self.waiting or self.running)
 
     # -- teardown ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release every reservation (including draining ones) and forget all requests."""
+        """Release every reservation and forget all requests."""
         self.manager.close()
         self.waiting.clear()
         self.running.clear()
-        self._draining.clear()
         self._states.clear()
         self._finished_for_workers.clear()
         self._finished_unreported.clear()
@@ -382,10 +322,7 @@ class DiffusionKVScheduler:
     def _finish(self, state: RequestState, status: RequestStatus, *, error: str | None = None) -> None:
         state.status = status
         state.error = error
-        if state.kv_loading:
-            self._draining[state.request_id] = state
-        else:
-            self.manager.free_request(state.request_id)
+        self.manager.free_request(state.request_id)
         self._finished_for_workers[state.request_id] = state.allocation_generation
         self._finished_unreported.add(state.request_id)
 

@@ -96,8 +96,8 @@ def discover_kv_cache_specs(model: nn.Module) -> dict[str, AttentionCacheSpec]:
         )
     if not specs:
         raise RuntimeError(
-            f"paged_scheduler Diffusion KV found no cache-enabled Attention modules in {type(model).__name__}; "
-            "set `diffusion_kv_cache = KVCacheOptIn(...)` on its attention layers or use dense mode"
+            f"diffusion_kv found no cache-enabled Attention modules in {type(model).__name__}; set "
+            "`diffusion_kv_cache = KVCacheOptIn(...)` on its attention layers to page their K/V"
         )
     return specs
 

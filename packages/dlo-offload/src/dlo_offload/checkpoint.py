@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from .layout import persistent_buffers
 from .plan import OffloadPlan, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -133,12 +134,8 @@ def _required_tensors(model: nn.Module, plan: OffloadPlan) -> dict[str, torch.Te
     resolved = resolve_plan(model, plan)
     required: dict[str, torch.Tensor] = {}
     for block_name, block in zip(resolved.block_names, resolved.blocks):
-        for name, param in block.named_parameters():
-            required[f"{block_name}.{name}"] = param
-        for prefix, sub in block.named_modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None and name not in sub._non_persistent_buffers_set:
-                    required[f"{block_name}.{prefix + '.' if prefix else ''}{name}"] = buf
+        for name, tensor in (*block.named_parameters(), *persistent_buffers(block).items()):
+            required[f"{block_name}.{name}"] = tensor
     if not required:
         raise _Incompatible("no block parameters or persistent buffers were discovered")
     return required

@@ -31,7 +31,7 @@ from ._device import DeviceOps
 from ._tensors import SavedTensor, owner_of, set_tensor
 from .checkpoint import CHECKPOINT_MMAP, HostWeightPlan
 from .host_store import HostBlockStore, StagedCheckpointBlocks
-from .layout import BlockLayout, TensorEntry, block_tensors, layout_of, layouts_digest
+from .layout import BlockLayout, TensorEntry, block_tensors, layout_of, layouts_digest, persistent_buffers
 from .plan import OffloadPlan, ResolvedPlan, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class LayerwiseOffload:
         self, named: tuple[str, nn.Module], tensors: list[tuple[str, str, torch.Tensor]], reader: object | None
     ) -> dict[str, torch.Tensor]:
         block_name, block = named
-        persistent = _persistent_buffer_names(block)
+        persistent = persistent_buffers(block)
         out: dict[str, torch.Tensor] = {}
         for local, kind, tensor in tensors:
             planned = reader is not None and (kind == "parameter" or local in persistent)
@@ -238,7 +238,7 @@ class LayerwiseOffload:
         modules = [(name, block, reader) for name, block in resolved.resident]
         modules += [(name, module, None) for name, module in resolved.resident_modules]
         for prefix, module, source in modules:
-            persistent = _persistent_buffer_names(module)
+            persistent = persistent_buffers(module)
             for local, kind, tensor in block_tensors(module):
                 owner, attr = owner_of(module, local)
                 planned = source is not None and (kind == "parameter" or local in persistent)
@@ -404,15 +404,6 @@ class LayerwiseOffload:
         self._restore_moved()
         self._streamed.clear()
         self._close_reader()
-
-
-def _persistent_buffer_names(module: nn.Module) -> set[str]:
-    names: set[str] = set()
-    for prefix, sub in module.named_modules():
-        for name in sub._buffers:
-            if name not in sub._non_persistent_buffers_set:
-                names.add(f"{prefix}.{name}" if prefix else name)
-    return names
 
 
 def enable_layerwise_offload(

@@ -31,8 +31,12 @@ def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
 
 
+def _cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
 def _align(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+    return _cdiv(nbytes, ALIGNMENT_BYTES) * ALIGNMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class BlockLayout:
 
     def shard_nbytes(self, world_size: int) -> int:
         """Bytes each of `world_size` ranks holds: equal, aligned, zero-padded shards."""
-        return _align(-(-self.nbytes // world_size)) if self.nbytes else 0
+        return _align(_cdiv(self.nbytes, world_size)) if self.nbytes else 0
 
     def digest(self) -> bytes:
         """SHA-256 of the layout, equal on two ranks exactly when their layouts are."""
@@ -87,6 +91,17 @@ def block_tensors(block: nn.Module) -> list[tuple[str, TensorKind, torch.Tensor]
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 found.append((name, kind, tensor))  # type: ignore[arg-type]
+    return found
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every persistent buffer of `module` by local name: the buffers its ``state_dict`` (and so a checkpoint)
+    holds, which offload streams or restores like parameters."""
+    found: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                found[f"{prefix}.{name}" if prefix else name] = buffer
     return found
 
 
