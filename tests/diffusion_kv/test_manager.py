@@ -402,7 +402,7 @@ def test_row_limit_rejects_contexts_before_allocation(make_manager):
     text = DiffusionKVContext("text", "cross.text", 4)
     with pytest.raises(DiffusionKVAdmissionError) as excinfo:
         manager.reserve_request("too-many-rows", _seqs("too-many-rows", 2, contexts=(text,)))
-    assert str(excinfo.value) == "Diffusion KV request 'too-many-rows' requires 3 rows; adapter limit is 2"
+    assert str(excinfo.value) == "Diffusion KV request 'too-many-rows' requires 3 rows; max_rows_per_request is 2"
     assert manager.allocator.allocate_calls == 0
 
 

@@ -50,7 +50,7 @@ def test_install_writes_rows_from_the_top_of_the_free_stack():
         (meta(sequences=(seq(0, [1, 2], seq_len=4),)), "has 2 blocks; expected 1 for 4 tokens"),
         (meta(sequences=(seq(0, [1, 8]),)), r"block id 8; ids must be ints in \[0, 8\)"),
         (meta(sequences=(seq(0, [1, 2, 3, 4, 5]),)), "beyond the row capacity of 4 blocks"),
-        (meta(sequences=(seq(0, [1]), seq(1, [2]), seq(2, [3]))), "requires 3 rows; adapter limit is 2"),
+        (meta(sequences=(seq(0, [1]), seq(1, [2]), seq(2, [3]))), "requires 3 rows; max_rows_per_request is 2"),
         (meta(sequences=(DiffusionKVSequenceMetadata(0, 0, 4, 4, ([1], [2])),)), "has 2 block groups; expected 1"),
         (meta(sequences=(DiffusionKVSequenceMetadata(0, 0, 4, 4, ((1,),)),)), "block ids must be a list"),
         (meta(sequences=()), "has no sequences"),

@@ -59,15 +59,15 @@ def test_dlo_group_covers_the_dp_sp_tp_matrix(dp: int, sp: int, tp: int, allgath
 
 
 def test_hsdp_with_allgather_rejected_and_without_allowed() -> None:
-    with pytest.raises(ValueError, match="Distributed layerwise offload with AllGather is incompatible with HSDP"):
+    with pytest.raises(ValueError, match="incompatible with HSDP.*Pass use_allgather=False .* or use_hsdp=False"):
         dlo_group_size(use_hsdp=True, hsdp_shard_size=4)
     assert dlo_group_size(use_hsdp=True, hsdp_shard_size=4, use_allgather=False) == 1
 
 
 def test_resident_layers_with_allgather_rejected() -> None:
-    with pytest.raises(ValueError, match="dlo_resident_layers currently requires --dlo-no-use-allgather"):
+    with pytest.raises(ValueError, match="resident_layers=2 requires use_allgather=False"):
         dlo_group_size(data_parallel_size=2, resident_layers=2)
-    with pytest.raises(ValueError, match="dlo_resident_layers must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="resident_layers must be >= 0, got -1"):
         dlo_group_size(resident_layers=-1, use_allgather=False)
     assert dlo_group_size(data_parallel_size=2, resident_layers=2, use_allgather=False) == 1
 

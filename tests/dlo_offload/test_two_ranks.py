@@ -77,7 +77,7 @@ def test_no_allgather_mode_streams_whole_local_blocks_with_resident_layers(repor
 
 def test_allgather_refuses_resident_blocks_and_layout_disagreement(reports: list[dict]) -> None:
     for report in reports:
-        assert "resident blocks currently require the no-AllGather mode" in report["resident_with_allgather"]
+        assert "Pass use_allgather=False or resident_blocks=0" in report["resident_with_allgather"]
         assert "DLO ranks disagree on the streamed block layout" in report["layout_disagreement"]
         assert report["layout_disagreement_left_model"]
 

@@ -1,4 +1,4 @@
-"""Cache artifact: the seed's contract tests (spec B14), plus staleness, corruption, path escape, publication."""
+"""Cache artifact: the seed's contract tests, plus staleness, corruption, path escape, publication."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _shards(cache: Path) -> list[Path]:
     return sorted((cache / "transformer").glob("*.safetensors"))
 
 
-# --- the seed's tests (B14), on our artifact ---------------------------------------------------------------
+# --- the seed's tests, on our artifact ---------------------------------------------------------------
 
 
 def test_valid_cache_returns_manifest_and_source_change_makes_it_stale(built, component):

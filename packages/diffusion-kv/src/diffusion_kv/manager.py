@@ -170,7 +170,7 @@ class DiffusionKVCacheManager:
         if num_rows > self.max_rows_per_request:
             raise DiffusionKVAdmissionError(
                 f"Diffusion KV request {public_request_id!r} requires {num_rows} rows; "
-                f"adapter limit is {self.max_rows_per_request}"
+                f"max_rows_per_request is {self.max_rows_per_request}"
             )
         sequence_ids = [sequence.sequence_id for sequence in sequences]
         if sequence_ids != list(range(len(sequences))):

@@ -219,7 +219,7 @@ class WorkerRowTable:
         ]
         if len(candidates) > self.max_rows_per_request:
             raise ValueError(
-                f"Diffusion KV request {request_id!r} requires {len(candidates)} rows; adapter limit is "
+                f"Diffusion KV request {request_id!r} requires {len(candidates)} rows; max_rows_per_request is "
                 f"{self.max_rows_per_request}"
             )
         rows: list[tuple[RowIdentity, str, int, list[int]]] = []

@@ -41,10 +41,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 Mode = Literal["allgather", "rank_local"]
 
 RESIDENT_ALLGATHER_ERROR = (
-    "resident_blocks={n} was requested with use_allgather=True: resident blocks currently require "
-    "the no-AllGather mode (dlo_resident_layers currently requires --dlo-no-use-allgather so resident "
-    "blocks use weights prepared by the standard TP-aware loader). Pass use_allgather=False or "
-    "resident_blocks=0."
+    "OffloadPlan(resident_blocks={n}) was combined with use_allgather=True: resident blocks keep the weights the "
+    "model's own loader put on each rank, which only rank-local mode streams alongside. Pass use_allgather=False "
+    "or resident_blocks=0."
 )
 
 
@@ -117,8 +116,8 @@ class LayerwiseOffload:
         if group is not None:
             if not dist.is_initialized():
                 raise RuntimeError(
-                    "torch.distributed is not initialized. Distributed layerwise offload with dp_size > 1 "
-                    "requires an initialized process group."
+                    "torch.distributed is not initialized: enable_layerwise_offload(group=...) shards weights over "
+                    "a process group; call torch.distributed.init_process_group first, or pass group=None"
                 )
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if use_allgather and group is not None and resolved.resident_count > 0:

@@ -75,22 +75,22 @@ def dlo_group_size(
     see that it does not contribute.
     """
     if resident_layers < 0:
-        raise ValueError(f"dlo_resident_layers must be >= 0, got {resident_layers}")
+        raise ValueError(f"resident_layers must be >= 0, got {resident_layers}")
     if resident_layers > 0 and use_allgather:
         raise ValueError(
-            "dlo_resident_layers currently requires --dlo-no-use-allgather so resident blocks use weights "
-            "prepared by the standard TP-aware loader"
+            f"resident_layers={resident_layers} requires use_allgather=False: resident blocks keep the weights "
+            "the model's own loader put on each rank"
         )
     if use_hsdp and use_allgather:
         raise ValueError(
             "Distributed layerwise offload with AllGather is incompatible with HSDP: HSDP parameters are "
-            "already sharded DTensors, and the offloader would double-shard them. Use --dlo-no-use-allgather "
-            "(standard-loader rank-local weights) or disable HSDP."
+            "already sharded DTensors, and the offloader would double-shard them. Pass use_allgather=False "
+            "(rank-local weights from the model's own loader) or use_hsdp=False."
         )
     if not use_allgather:
         logger.info(
-            "Distributed layerwise offload: dlo_use_allgather=False, streaming complete rank-local blocks "
-            "(no DLO shard or AllGather); each rank keeps its own host copy"
+            "Distributed layerwise offload: use_allgather=False, streaming complete rank-local blocks "
+            "(no weight shard or AllGather); each rank keeps its own host copy"
         )
         return 1
     size = data_parallel_size or 1

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-WAVE_TIMEOUT_ENV = "VLLM_OMNI_DLO_DP_WAVE_TIMEOUT"
+WAVE_TIMEOUT_ENV = "OMNI_DLO_WAVE_TIMEOUT_S"
 
 
 def default_wave_timeout_s() -> float:
-    """Seconds a wave may take to form: ``$VLLM_OMNI_DLO_DP_WAVE_TIMEOUT`` or 600."""
+    """Seconds a wave may take to form: ``$OMNI_DLO_WAVE_TIMEOUT_S`` or 600."""
     raw = os.environ.get(WAVE_TIMEOUT_ENV, "600")
     try:
         value = float(raw)
