@@ -59,6 +59,43 @@ class TinyDiT(nn.Module):
         return self.head(x)
 
 
+class SingleStreamBlock(nn.Module):
+    """A block of another shape (wider MLP, no FP8), so two block lists need differently sized slots."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp_in = nn.Linear(hidden, 4 * hidden)
+        self.mlp_out = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm(x))))
+
+
+class TwoListDiT(nn.Module):
+    """FLUX-shaped: ``double_blocks`` then ``single_blocks``, two block lists run one after the other."""
+
+    def __init__(self, hidden: int = 32, num_double: int = 3, num_single: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(hidden, hidden)
+        self.double_blocks = nn.ModuleList(Block(hidden) for _ in range(num_double))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(hidden) for _ in range(num_single))
+        self.head = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.double_blocks:
+            x = block(x)
+        for block in self.single_blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_two_list_model(*, hidden: int = 32, num_double: int = 3, num_single: int = 4, seed: int = 0) -> TwoListDiT:
+    torch.manual_seed(seed)
+    return TwoListDiT(hidden, num_double, num_single).requires_grad_(False)
+
+
 def make_model(*, hidden: int = 32, num_blocks: int = 5, seed: int = 0) -> TinyDiT:
     torch.manual_seed(seed)
     return TinyDiT(hidden, num_blocks).requires_grad_(False)

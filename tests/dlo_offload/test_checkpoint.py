@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dlo_test_models import assert_state_identical, make_model
+from dlo_test_models import assert_state_identical, make_model, make_two_list_model
 from safetensors.torch import save_file
 
 from dlo_offload import OffloadPlan, build_checkpoint_mmap_plan, enable_layerwise_offload, load_checkpoint
@@ -29,9 +29,9 @@ def _save(model: torch.nn.Module, directory: Path, *, shards: int = 2) -> dict[s
     return state
 
 
-def _meta_model() -> torch.nn.Module:
-    model = make_model()
-    block_state = {k for k in model.state_dict() if k.startswith("blocks.")}
+def _meta_model(model: torch.nn.Module | None = None, prefixes: tuple[str, ...] = ("blocks.",)) -> torch.nn.Module:
+    model = make_model() if model is None else model
+    block_state = {k for k in model.state_dict() if k.startswith(prefixes)}
     for name in block_state:  # the block tensors stay unloaded, as a meta-initialised model would have them
         owner_path, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_path)
@@ -58,6 +58,29 @@ def test_preflight_success_maps_blocks_and_output_is_exact(tmp_path: Path) -> No
         assert torch.equal(model(x), expected)
     handle.remove()
     assert_state_identical(model, reference)  # FP8 transposed weight comes back with its stride
+
+
+def test_preflight_covers_several_block_lists(tmp_path: Path) -> None:
+    reference = make_two_list_model()
+    _save(reference, tmp_path)
+    plan = OffloadPlan(("double_blocks", "single_blocks"), resident_blocks=2, resident_modules=("embed", "head"))
+    model = _meta_model(make_two_list_model(), ("double_blocks.", "single_blocks."))
+    result = load_checkpoint(model, plan, tmp_path)
+    assert result.fallback_reason is None and result.plan is not None
+    assert result.plan.planned_prefixes == {"double_blocks.", "single_blocks."}
+    assert set(result.plan.bindings) == {k for k in reference.state_dict() if "blocks." in k}
+    handle = enable_layerwise_offload(model, plan, device="cpu", host_weights=result.plan, use_allgather=False)
+    x = torch.randn(2, 5, 32)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    handle.remove()
+    # A checkpoint without the second list's tensors cannot back the plan; the reason names both prefixes.
+    (tmp_path / "partial").mkdir()
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items() if not k.startswith("single_blocks.")},
+              str(tmp_path / "partial" / "model.safetensors"))
+    result = build_checkpoint_mmap_plan(make_two_list_model(), plan, tmp_path / "partial")
+    assert result.plan is None and "required block tensors have no checkpoint binding" in result.fallback_reason
+    assert "single_blocks.0" in result.fallback_reason
 
 
 def _fallback(tmp_path: Path, model: torch.nn.Module, checkpoint: object, caplog: pytest.LogCaptureFixture) -> str:

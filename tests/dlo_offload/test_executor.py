@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from dlo_test_models import assert_state_identical, make_model, tensor_bytes
+from dlo_test_models import assert_state_identical, make_model, make_two_list_model, tensor_bytes
 from torch import nn
 
 from dlo_offload import LayerwiseOffload, OffloadPlan, allocate_host_bytes, enable_layerwise_offload
@@ -31,6 +31,37 @@ def test_offloaded_output_equals_resident_output_exactly(num_blocks: int, reside
     with torch.inference_mode():
         for _ in range(3):  # repeated forwards wrap the circular prefetch around
             assert torch.equal(model(x), expected)
+    handle.remove()
+    assert_state_identical(model, reference)
+
+
+@pytest.mark.parametrize("resident_blocks", [0, 2, 3, 4, 7])
+def test_two_block_lists_stream_in_execution_order_with_exact_output(resident_blocks: int) -> None:
+    model = make_two_list_model(hidden=HIDDEN, num_double=3, num_single=4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 7, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = reference(x)
+    plan = OffloadPlan(("double_blocks", "single_blocks"), resident_blocks=resident_blocks,
+                       resident_modules=("embed", "head"))
+    handle = enable_layerwise_offload(model, plan, device="cpu")
+    streamed = [name for name, module in model.named_modules()
+                if module in (*model.double_blocks, *model.single_blocks)][resident_blocks:]
+    assert [block.name for block in handle._streamed] == streamed
+    # Each slot holds the largest streamed block, whichever list it comes from.
+    sizes = [sum(t.numel() * t.element_size() for t in b.parameters()) for b in (*reference.double_blocks,
+                                                                                  *reference.single_blocks)]
+    assert handle.slot_nbytes >= max(sizes[resident_blocks:], default=0)
+    loaded: list[str] = []
+    hooks = [block.register_forward_pre_hook(lambda module, args, name=name: loaded.append(name))
+             for name, block in model.named_modules() if name.count(".") == 1 and "blocks." in name]
+    with torch.inference_mode():
+        for _ in range(3):  # the circular prefetch wraps from the last single block to the first streamed one
+            assert torch.equal(model(x), expected)
+    for hook in hooks:
+        hook.remove()
+    one_forward = [f"double_blocks.{i}" for i in range(3)] + [f"single_blocks.{i}" for i in range(4)]
+    assert loaded == one_forward * 3
     handle.remove()
     assert_state_identical(model, reference)
 

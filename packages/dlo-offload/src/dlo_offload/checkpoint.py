@@ -145,7 +145,8 @@ def _preflight(
     model: nn.Module, plan: OffloadPlan, checkpoint: object, remap: KeyRemap | None
 ) -> HostWeightPlan:
     required = _required_tensors(model, plan)
-    block_prefix = f"{plan.blocks}."
+    block_prefixes = tuple(f"{path}." for path in plan.block_lists)
+    where = block_prefixes[0] if len(block_prefixes) == 1 else block_prefixes
     bindings: dict[str, TensorBinding] = {}
     metadata: dict[str, tuple[str, list[int]]] = {}
     strays: list[str] = []
@@ -155,7 +156,7 @@ def _preflight(
         with safe_open(file_path, framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 name = remap(key) if remap is not None else key
-                if name is None or not name.startswith(block_prefix):
+                if name is None or not name.startswith(block_prefixes):
                     continue
                 if name in bindings:
                     first = bindings[name]
@@ -170,13 +171,13 @@ def _preflight(
                 tensor_slice = handle.get_slice(key)
                 metadata[name] = (tensor_slice.get_dtype(), list(tensor_slice.get_shape()))
     if not bindings and not strays:
-        raise _Incompatible(f"no compatible safetensors entries under {block_prefix!r} were found in the checkpoint")
+        raise _Incompatible(f"no compatible safetensors entries under {where!r} were found in the checkpoint")
     missing = sorted(set(required) - set(bindings))
     if missing:
         raise _Incompatible(f"{len(missing)} required block tensors have no checkpoint binding (first 5: {missing[:5]})")
     if strays:
         raise _Incompatible(
-            f"{len(strays)} checkpoint entries under {block_prefix!r} match no block tensor (first 5: {sorted(strays)[:5]})"
+            f"{len(strays)} checkpoint entries under {where!r} match no block tensor (first 5: {sorted(strays)[:5]})"
         )
     for name, tensor in required.items():
         dtype_name, shape = metadata[name]
@@ -187,7 +188,7 @@ def _preflight(
             raise _Incompatible(f"shape mismatch for {name!r}: checkpoint={shape}, runtime={list(tensor.shape)}")
         if dtype != tensor.dtype:
             raise _Incompatible(f"dtype mismatch for {name!r}: checkpoint={dtype}, runtime={tensor.dtype}")
-    return HostWeightPlan(CHECKPOINT_MMAP, bindings, frozenset({block_prefix}))
+    return HostWeightPlan(CHECKPOINT_MMAP, bindings, frozenset(block_prefixes))
 
 
 def build_checkpoint_mmap_plan(
