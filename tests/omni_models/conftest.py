@@ -40,3 +40,46 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def random_model() -> CausalPrefixDiT:
     return build_random_model()
+
+
+# --- the diffusers families: tiny random-weight checkpoints written here (no hub) -----------------------------------
+
+
+def image_psnr(a, b) -> float:
+    """PSNR in dB between two 8-bit images (PIL or arrays); inf when identical."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0**2 / mse))
+
+
+@pytest.fixture(scope="session")
+def psnr():
+    return image_psnr
+
+
+def _family_checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str, **kwargs) -> Path:
+    pytest.importorskip("diffusers")
+    from omni_models import synthetic
+
+    build = synthetic.flux_components if family == "flux" else synthetic.qwen_image_components
+    directory = tmp_path_factory.mktemp(family)
+    # Small shards, so the index and several files per component are exercised.
+    return synthetic.save_checkpoint(family, build("tiny", **kwargs), directory, max_shard_size="40KB")
+
+
+@pytest.fixture(scope="session")
+def flux_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _family_checkpoint(tmp_path_factory, "flux", guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def flux_schnell_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _family_checkpoint(tmp_path_factory, "flux", guidance_embeds=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _family_checkpoint(tmp_path_factory, "qwen-image")

@@ -1,22 +1,30 @@
-"""Diffusion pipelines for omni, starting with the causal-prefix DiT family and the shipped omni-shapes-tiny model.
+"""Diffusion pipelines for omni: the causal-prefix DiT family with the shipped omni-shapes-tiny model, and real
+families (FLUX.1, Qwen-Image) from diffusers-layout checkpoints.
 
-``load`` and ``Pipeline`` (which need ``diffusion_kv``) are imported on first use, so the training and scoring
-modules work on a machine where only torch is installed.
+``load``, ``Pipeline`` (which need ``diffusion_kv``) and ``FamilyPipeline`` are imported on first use, so the
+training and scoring modules work on a machine where only torch is installed, and nothing here imports diffusers
+or transformers until a diffusers checkpoint is loaded (``omni_models.diffusers_adapter``, the ``diffusers`` extra).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from omni_models.errors import InvalidRequestError
+from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if TYPE_CHECKING:
+    from omni_models.families import FamilyInfo, FamilyJob, FamilyPipeline, FamilyRequest, PromptConditioning
     from omni_models.pipeline import Pipeline, PipelineInfo, load
     from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob
 
 _LAZY = {
+    "FamilyInfo": "omni_models.families",
+    "FamilyJob": "omni_models.families",
+    "FamilyPipeline": "omni_models.families",
+    "FamilyRequest": "omni_models.families",
+    "PromptConditioning": "omni_models.families",
     "load": "omni_models.pipeline",
     "Pipeline": "omni_models.pipeline",
     "PipelineInfo": "omni_models.pipeline",
@@ -37,5 +45,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'omni_models' has no attribute {name!r}")
 
 
-__all__ = ["GenerationJob", "GenerationRequest", "GenerationRow", "InvalidRequestError", "Pipeline",
-           "PipelineInfo", "ScheduledJob", "load", "__version__"]
+__all__ = ["CheckpointError", "FamilyInfo", "FamilyJob", "FamilyPipeline", "FamilyRequest", "GenerationJob",
+           "GenerationRequest", "GenerationRow", "InvalidRequestError", "MissingDependencyError", "Pipeline",
+           "PipelineInfo", "PromptConditioning", "ScheduledJob", "load", "__version__"]

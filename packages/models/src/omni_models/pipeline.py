@@ -12,7 +12,8 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from diffusion_kv import (
@@ -34,17 +35,18 @@ from omni_models.checkpoint import load_config, load_weights
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
-from omni_models.hub import resolve_model_dir
+from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
 from omni_models.integrations import declare_kv_cache
+from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED
 from omni_models.model import CausalPrefixDiT
 from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob, StepBatch
 from omni_models.sampling import generate_dense
 from omni_models.scorer import to_uint8_images
 
+if TYPE_CHECKING:
+    from omni_models.families import FamilyPipeline
+
 AttentionBackend = Literal["paged", "dense"]
-MAX_INFERENCE_STEPS = 1000
-MAX_GUIDANCE_SCALE = 100.0
-MAX_SEED = 2**63 - 1
 CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
 _PRIVATE_REQUEST_ID = "private-pool"  # the one request a private pool's row table holds
 
@@ -323,16 +325,46 @@ def load(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-    attention_backend: AttentionBackend = "paged",
-) -> Pipeline:
-    """Load a pipeline by shipped name, local directory, or local Hugging Face cache entry (no network).
+    attention_backend: AttentionBackend | None = None,
+    allow_download: bool = False,
+    quantization: Literal["fp8"] | None = None,
+    fp8_cache_dir: str | Path | None = None,
+    layerwise_offload: bool = False,
+    offload_resident_blocks: int = 0,
+    max_sequence_length: int | None = None,
+) -> Pipeline | FamilyPipeline:
+    """Load a pipeline by shipped name, local directory or Hugging Face repo id (from the local cache only, unless
+    ``allow_download``).
 
-    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+    An omni model directory (``config.json``) gives a ``Pipeline``; a diffusers pipeline checkpoint
+    (``model_index.json``) of a supported family gives a ``FamilyPipeline`` (see ``omni_models.families``; it needs
+    the ``diffusers`` extra). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+
+    ``attention_backend`` ("paged", the default, or "dense") applies to omni models only. ``quantization``,
+    ``fp8_cache_dir``, ``layerwise_offload``, ``offload_resident_blocks`` and ``max_sequence_length`` apply to the
+    families (``omni_models.diffusers_adapter.load_family_pipeline``); for omni models, the server's loader applies
+    FP8 and offload. A bad checkpoint raises ``CheckpointError`` before anything is placed on ``device``.
     """
-    directory = resolve_model_dir(name_or_path)
+    directory = resolve_model_dir(name_or_path, allow_download=allow_download)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    family_options = {"quantization": quantization, "fp8_cache_dir": fp8_cache_dir,
+                      "layerwise_offload": layerwise_offload, "offload_resident_blocks": offload_resident_blocks,
+                      "max_sequence_length": max_sequence_length}
+    if is_diffusers_checkpoint(directory):
+        if attention_backend is not None:
+            raise ValueError("attention_backend applies to omni models; the diffusers families use omni's dense "
+                             "attention (omni_models.attention)")
+        from omni_models.diffusers_adapter import load_family_pipeline
+
+        return load_family_pipeline(directory, name=name_or_path, device=device, dtype=dtype, **family_options)
+    defaults = {"quantization": None, "fp8_cache_dir": None, "layerwise_offload": False, "offload_resident_blocks": 0,
+                "max_sequence_length": None}
+    given = [option for option, value in family_options.items() if value != defaults[option]]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to diffusers checkpoints; {name_or_path!r} is an omni model "
+                         "(omni_server's loader applies FP8 and offload to it)")
     config, vocabulary = load_config(directory)
     # Build on the meta device and adopt the loaded tensors: no random init of weights about to be replaced.
     with torch.device("meta"):
@@ -346,7 +378,7 @@ def load(
     model.load_state_dict(state, assign=True)
     model.to(device=device, dtype=dtype)
     return Pipeline(model, Tokenizer(vocabulary, max_tokens=config.max_prompt_tokens), device=device, dtype=dtype,
-                    attention_backend=attention_backend)
+                    attention_backend=attention_backend or "paged")
 
 
 def build_model(config: DiTConfig) -> CausalPrefixDiT:

@@ -1,0 +1,128 @@
+"""omni's attention processors for the diffusers families, installed with ``transformer.set_attn_processor``.
+
+A processor is diffusers' public extension point for an attention layer: it receives the layer (its
+projections and norms) and the hidden states, and returns the layer's outputs. These processors compute what
+diffusers' own ``FluxAttnProcessor`` / ``QwenDoubleStreamAttnProcessor2_0`` compute, in the same order (so the
+same numbers), and send the attention itself through ``omni_models.attention.attention``. The Qwen-Image one
+also accepts ``text_lengths`` (through the transformer's ``attention_kwargs``), so rows whose prompts have
+different lengths can share one forward.
+
+Pure torch: the layer objects are diffusers modules, but nothing here imports diffusers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from omni_models.attention import attention, ragged_text
+
+
+def _heads(x: Tensor, head_dim: int) -> Tensor:
+    return x.unflatten(-1, (-1, head_dim))
+
+
+def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """FLUX's rotary embedding on ``[B, S, H, D]``: pairs ``(x[2i], x[2i+1])`` rotate by the angles in cos/sin ``[S, D]``."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rotate_complex(x: Tensor, freqs: Tensor) -> Tensor:
+    """Qwen-Image's rotary embedding on ``[B, S, H, D]`` with complex frequencies ``[S, D/2]``."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+class OmniFluxAttnProcessor:
+    """For ``FluxAttention`` layers: double-stream blocks (text via the ``add_*`` projections) and single-stream ones."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if attention_mask is not None:
+            raise ValueError("omni's FLUX attention takes no attention_mask: FLUX attends over every token")
+        if getattr(attn, "fused_projections", False):
+            raise ValueError("omni's FLUX attention needs unfused projections; call transformer.unfuse_qkv_projections()")
+        head_dim = attn.head_dim
+        query = attn.norm_q(_heads(attn.to_q(hidden_states), head_dim))
+        key = attn.norm_k(_heads(attn.to_k(hidden_states), head_dim))
+        value = _heads(attn.to_v(hidden_states), head_dim)
+        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+            text_query = attn.norm_added_q(_heads(attn.add_q_proj(encoder_hidden_states), head_dim))
+            text_key = attn.norm_added_k(_heads(attn.add_k_proj(encoder_hidden_states), head_dim))
+            text_value = _heads(attn.add_v_proj(encoder_hidden_states), head_dim)
+            query = torch.cat([text_query, query], dim=1)
+            key = torch.cat([text_key, key], dim=1)
+            value = torch.cat([text_value, value], dim=1)
+        if image_rotary_emb is not None:
+            cos, sin = image_rotary_emb
+            query, key = rotate_interleaved(query, cos, sin), rotate_interleaved(key, cos, sin)
+        out = attention(query, key, value).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        text_len = encoder_hidden_states.shape[1]
+        text_out, image_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
+        image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
+        return image_out, attn.to_add_out(text_out.contiguous())
+
+
+class OmniQwenImageAttnProcessor:
+    """For Qwen-Image's joint text+image ``Attention`` layers (order ``[text, image]``)."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_hidden_states_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        image_rotary_emb: tuple[Tensor, Tensor] | None = None,
+        text_lengths: Sequence[int] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        if encoder_hidden_states is None:
+            raise ValueError("Qwen-Image attention needs the text stream (encoder_hidden_states)")
+        if attention_mask is not None or encoder_hidden_states_mask is not None:
+            raise ValueError(
+                "omni's Qwen-Image attention takes no masks: pass each row's prompt length as "
+                "attention_kwargs={'text_lengths': [...]} instead (padding is then never attended to)"
+            )
+        head_dim = attn.inner_dim // attn.heads
+        streams = []
+        for x, to_q, to_k, to_v, norm_q, norm_k in (
+            (encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
+             attn.norm_added_k),
+            (hidden_states, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k),
+        ):
+            query, key, value = (_heads(proj(x), head_dim) for proj in (to_q, to_k, to_v))
+            if norm_q is not None:
+                query = norm_q(query)
+            if norm_k is not None:
+                key = norm_k(key)
+            streams.append((query, key, value))
+        (text_query, text_key, text_value), (image_query, image_key, image_value) = streams
+        if image_rotary_emb is not None:
+            image_freqs, text_freqs = image_rotary_emb
+            image_query, image_key = rotate_complex(image_query, image_freqs), rotate_complex(image_key, image_freqs)
+            text_query, text_key = rotate_complex(text_query, text_freqs), rotate_complex(text_key, text_freqs)
+        text_len = encoder_hidden_states.shape[1]
+        query = torch.cat([text_query, image_query], dim=1)
+        out = attention(
+            query,
+            torch.cat([text_key, image_key], dim=1),
+            torch.cat([text_value, image_value], dim=1),
+            ragged_text(text_lengths, text_len) if text_lengths is not None else None,
+        ).flatten(2, 3).to(query.dtype)
+        image_out = attn.to_out[0](out[:, text_len:].contiguous())
+        if len(attn.to_out) > 1:
+            image_out = attn.to_out[1](image_out)
+        return image_out, attn.to_add_out(out[:, :text_len].contiguous())
