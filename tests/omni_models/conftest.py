@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,39 @@ def flux_schnell_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _family_checkpoint(tmp_path_factory, "qwen-image")
+
+
+# --- a local Hugging Face cache ----------------------------------------------------------------------------------
+
+
+class HubCache:
+    """A private Hugging Face cache directory that huggingface_hub uses for the test (offline)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def add(self, repo_id: str, source: Path, commit: str) -> None:
+        """Lay ``source`` out as huggingface_hub's cache holds a downloaded snapshot: content-addressed blobs, a
+        snapshot tree of relative symlinks into them, and ``refs/main`` naming the commit."""
+        repo = self.root / ("models--" + repo_id.replace("/", "--"))
+        for file in sorted(p for p in source.rglob("*") if p.is_file()):
+            data = file.read_bytes()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            link = repo / "snapshots" / commit / file.relative_to(source)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> HubCache:
+    from huggingface_hub import constants
+
+    root = tmp_path / "hub"
+    root.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be fetched, even with allow_download=True
+    return HubCache(root)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import omni_models
-from omni_models import InvalidRequestError
+from omni_models import CheckpointError, InvalidRequestError
 from omni_models.checkpoint import INDEX_NAME, load_weights, save_weights
 
 
@@ -27,13 +27,9 @@ def test_sharded_weights_round_trip_and_respect_the_size_limit(tmp_path, random_
         save_weights({"big": torch.zeros(1024, 1024)}, tmp_path / "too-big", max_shard_bytes=limit)
 
 
-def test_load_from_the_local_hugging_face_cache(tmp_path, monkeypatch, random_model_dir):
+def test_load_from_the_local_hugging_face_cache(hub_cache, random_model_dir):
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--omni--shapes-random"
-    shutil.copytree(random_model_dir, repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_cache.add("omni/shapes-random", random_model_dir, commit)
     pipe = omni_models.load("omni/shapes-random")
     assert pipe.info.name == "random-small"
     assert omni_models.load(f"omni/shapes-random@{commit}").info.name == "random-small"
@@ -46,7 +42,7 @@ def test_unknown_models_and_non_model_directories(tmp_path):
     with pytest.raises(InvalidRequestError, match="unknown model 'stable-diffusion'") as info:
         omni_models.load("stable-diffusion")
     assert info.value.param == "model"
-    with pytest.raises(InvalidRequestError, match="has no config.json"):
+    with pytest.raises(CheckpointError, match="not a model directory: it has neither model_index.json"):
         omni_models.load(str(tmp_path))
 
 

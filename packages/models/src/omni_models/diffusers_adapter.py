@@ -223,7 +223,14 @@ def _preflight_transformers_model(entry: ComponentEntry, cls: type) -> Preflight
     return PreflightedModel(entry, cls, config, weight_files(entry)[1])
 
 
+TOKENIZER_VOCABULARIES = ("tokenizer.json", "vocab.json", "spiece.model")
+
+
 def _load_tokenizer(entry: ComponentEntry) -> Any:
+    # transformers builds a default vocabulary from an empty directory; a checkpoint must carry its own.
+    if not any((entry.directory / name).is_file() for name in TOKENIZER_VOCABULARIES):
+        raise CheckpointError(entry.directory, f"cannot load the {entry.name}: no vocabulary file "
+                                               f"({', '.join(TOKENIZER_VOCABULARIES)})")
     cls = getattr(transformers, entry.class_name, None) or transformers.AutoTokenizer
     try:
         return cls.from_pretrained(entry.directory, local_files_only=True)
