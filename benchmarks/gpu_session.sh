@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 40 "$R/$name.log"
 }
 
-install_server_wheels() {
+install_carried_wheels() {
   [ -d /tmp/site ] || step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
@@ -40,10 +40,15 @@ for s in "${steps[@]}"; do
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
     prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
     # The GPU image lacks the server's web stack: carry cp312 wheels in .whl/ (benchmarks/README.md says how).
-    server_overhead) install_server_wheels
+    server_overhead) install_carried_wheels
                      PYTHONPATH=/tmp/site:$PYTHONPATH step server_overhead 240 python3 benchmarks/server_overhead.py --out "$R" ;;
-    composed) install_server_wheels
+    composed) install_carried_wheels
               PYTHONPATH=/tmp/site:$PYTHONPATH step composed 200 python3 benchmarks/composed_pipeline.py --out "$R" ;;
+    # The real families need diffusers (and requests), carried in .whl/ too; one family per device call.
+    real_flux) install_carried_wheels
+               PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
+    real_qwen) install_carried_wheels
+               PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -97,5 +97,5 @@ def attention(query: Tensor, key: Tensor, value: Tensor, ragged: RaggedText | No
 
 def ragged_text(lengths: Sequence[int], padded_len: int) -> RaggedText | None:
     """None when every row uses the whole text segment (the plain, fastest path)."""
-    ragged = RaggedText(padded_len, tuple(int(n) for n in lengths))
-    return None if ragged.uniform else ragged
+    lengths = tuple(int(n) for n in lengths)
+    return None if all(n == padded_len for n in lengths) else RaggedText(padded_len, lengths)

@@ -323,6 +323,22 @@ def _load_fp8_transformer(
     return model.to(device).eval().requires_grad_(False), report
 
 
+def load_fp8_transformer_component(
+    directory: Path, family: FamilyName, *, device: torch.device, dtype: torch.dtype, cache_dir: Path
+) -> tuple[nn.Module, Any]:
+    """A family transformer saved on its own (``save_pretrained``: config.json + safetensors) with FP8 linears from
+    ``fp8_cache``'s on-disk cache in ``cache_dir`` (built from its safetensors on a miss); preflighted like a
+    pipeline component. Returns the transformer and the ``QuantizationReport``."""
+    slot = next(s for s in FAMILIES.values() if s.family == family).slots["transformer"]
+    class_name = read_config(ComponentEntry("transformer", slot.library, slot.classes[0], directory)).get("_class_name")
+    if class_name not in slot.classes:
+        raise CheckpointError(directory / "config.json", f"_class_name {class_name!r} is not a {family} transformer "
+                                                         f"({' or '.join(slot.classes)})")
+    entry = ComponentEntry("transformer", slot.library, class_name, directory)
+    preflighted = _preflight_diffusers_model(entry, library_class(slot.library, class_name))
+    return _load_fp8_transformer(preflighted, family, device=device, dtype=dtype, cache_dir=cache_dir)
+
+
 def _load_transformers_model(preflighted: PreflightedModel, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
     model = preflighted.cls.from_pretrained(preflighted.entry.directory, dtype=dtype, local_files_only=True)
     return model.to(device).eval().requires_grad_(False)

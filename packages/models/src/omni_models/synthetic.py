@@ -3,10 +3,11 @@
 Test and benchmark tooling (it needs the ``diffusers`` extra, like ``omni_models.diffusers_adapter``):
 
 - tokenizers written from a word list: a CLIP BPE vocabulary, a T5 Unigram model (``tokenizers``) wrapped in
-  ``T5TokenizerFast``, and a Qwen2 byte-level BPE; each splits the given words into whole tokens;
+  ``T5TokenizerFast``, and a Qwen2 byte-level BPE. Their vocabularies hold the given words (T5 as whole
+  pieces; the BPEs merge letters towards them, so a word may still come out as a few tokens);
 - ``flux_components`` / ``qwen_image_components``: the diffusers pipeline's constructor arguments with random
-  weights, at ``"tiny"`` size (for CPU tests) or ``"full"`` size (FLUX.1-dev / Qwen-Image transformers and VAEs;
-  the text encoders keep their width but only ``text_encoder_layers`` layers);
+  weights, at ``"tiny"`` size (for CPU tests) or ``"full"`` size (FLUX.1-dev / Qwen-Image transformers and VAEs,
+  CLIP-L whole; T5-XXL and Qwen2.5-VL-7B keep their width but only ``text_encoder_layers`` layers);
 - ``random_parameters``: build a model with parameters on the meta device, then fill them with cheap random
   values on the target device (no CPU initialisation of billions of parameters);
 - ``save_checkpoint``: the diffusers layout (``save_pretrained``), sharded when asked.
@@ -52,7 +53,7 @@ def _word_merges(symbols: list[str], vocab: dict[str, int], merges: list[tuple[s
 
 
 def clip_tokenizer(words: Iterable[str] = ()) -> Any:
-    """A CLIP BPE tokenizer (``</w>`` word ends) whose vocabulary holds every letter and each given word."""
+    """A CLIP BPE tokenizer (``</w>`` word ends): every letter, and merges towards each given word."""
     letters = "abcdefghijklmnopqrstuvwxyz0123456789.,:;!?'-"
     vocab: dict[str, int] = {}
     for c in letters:
@@ -88,7 +89,7 @@ def t5_tokenizer(words: Iterable[str] = ()) -> Any:
 
 
 def qwen2_tokenizer(words: Iterable[str] = ()) -> Any:
-    """A Qwen2 byte-level BPE tokenizer (all 256 byte symbols) with whole-word tokens and the chat specials."""
+    """A Qwen2 byte-level BPE tokenizer (all 256 byte symbols), merges towards each word, and the chat specials."""
     from tokenizers import pre_tokenizers
 
     vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
@@ -162,15 +163,15 @@ def flux_components(
         clip_config = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                            projection_dim=32)
         t5_config = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
-    else:  # FLUX.1-dev's transformer and VAE; CLIP-L and T5-XXL widths with fewer layers
+    else:  # FLUX.1-dev's transformer and VAE, CLIP-L whole; T5-XXL's width with ``text_encoder_layers`` layers
         transformer = _make("diffusers", "FluxTransformer2DModel", guidance_embeds=guidance_embeds)
         vae = _make("diffusers", "AutoencoderKL", in_channels=3, out_channels=3,
                     down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                     block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
                     norm_num_groups=32, sample_size=1024, use_quant_conv=False, use_post_quant_conv=False,
                     shift_factor=0.1159, scaling_factor=0.3611)
-        clip_config = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=text_encoder_layers,
-                           num_attention_heads=12, projection_dim=768)
+        clip_config = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                           projection_dim=768)
         t5_config = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=text_encoder_layers, num_heads=64,
                          feed_forward_proj="gated-gelu")
     eos = len(clip) - 1
@@ -198,6 +199,8 @@ def qwen_image_components(
     specials = {"vision_start_token_id": vocab_size, "vision_end_token_id": vocab_size + 1,
                 "vision_token_id": vocab_size + 2, "image_token_id": vocab_size + 3, "video_token_id": vocab_size + 4}
     vocab_size += 5
+    token_ids = {"bos_token_id": None, "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                 "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>")}
     if size == "tiny":
         transformer = _make("diffusers", "QwenImageTransformer2DModel", patch_size=2, in_channels=16,
                             out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
@@ -217,8 +220,8 @@ def qwen_image_components(
         vision = dict(depth=1, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
     text_encoder = _make_text_model(
         "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
-        text_config={**text, "vocab_size": vocab_size, "rope_theta": 1000000.0}, vision_config=vision,
-        vocab_size=vocab_size, **specials,
+        text_config={**text, **token_ids, "vocab_size": vocab_size, "rope_theta": 1000000.0}, vision_config=vision,
+        vocab_size=vocab_size, **specials, **token_ids,
     )
     built = {name: random_parameters(make, device=device, dtype=dtype, seed=seed + i)
              for i, (name, make) in enumerate((("transformer", transformer), ("vae", vae),

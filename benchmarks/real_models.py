@@ -1,0 +1,466 @@
+"""Real families on one GPU: omni against diffusers' own pipeline, same weights, same seed, same run.
+
+    python benchmarks/real_models.py --family flux --out DIR        # FLUX.1-dev, 1024^2, 28 steps
+    python benchmarks/real_models.py --family qwen-image --out DIR  # Qwen-Image, 1024^2, 50 steps, true CFG
+    python benchmarks/real_models.py --family flux --smoke --out DIR  # everything at tiny sizes on the CPU
+
+Weights are random (``omni_models.synthetic``): the transformers and VAEs have the published full-size configs
+and are built on the meta device, then filled on the GPU; the text encoders keep their width but have
+``--text-encoder-layers`` layers (CLIP-L is whole). Phases, in this order (each reports the transformer's
+ms/step, the sum of its forwards per denoising step, and end-to-end seconds per image including text encoding
+and VAE decode; medians with min/max):
+
+- ``diffusers``: diffusers' ``FluxPipeline`` / ``QwenImagePipeline``, eager;
+- ``omni``: ``omni_models.build_family_pipeline`` over the same modules (omni's attention processors), eager;
+  its images are compared with diffusers' (PSNR) as a parity check on the GPU;
+- ``concurrency``: 4 requests with different prompts through the stepwise batched API, one after another vs.
+  all at once (one forward per step for all of them); throughput ratio and request-latency p50/p99 (all
+  submitted at t=0);
+- ``fp8``: omni with FP8 linears (fp8_cache, the family's ignore list), eager. With ``--fp8-source cache``
+  (default) the bf16 transformer is written to ``--work-dir`` as safetensors, the FP8 cache built from it
+  (cold), and the timed pipeline loads its transformer from the warm cache; when the work dir lacks space for
+  that, a copy of the transformer is quantized online and the JSON says why. PSNR/SSIM against omni bf16;
+- ``offload``: omni with layerwise offload (dlo_offload over the family's block lists: resident parts + 2 block
+  slots on the device), time vs. resident, device weight bytes, and whether the image equals the resident one;
+- ``compiled``: diffusers with ``transformer.compile_repeated_blocks()`` and omni with ``compile_transformer()``
+  (both regional ``torch.compile`` of the repeated blocks).
+
+Ratios are printed against the targets (omni bf16 >= 1.0x diffusers, eager and compiled; FP8 >= 1.3x omni bf16;
+offload <= 1.10x resident; concurrency >= 1.3x) and every number lands in ``DIR/real_models_<family>.json``.
+Needs diffusers (not in the GPU image: carry its wheel, see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Scripts beside this one are named like the libraries (fp8_cache.py, dlo_offload.py): drop this directory from
+# the import path so that the libraries, not those scripts, are imported.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+PROMPTS = ["a red fox in the snow at night", "a photo of a green city at the top of a forest",
+           "a blue square on a white background", "a black cat on the left of an orange circle"]
+NEGATIVE = "blurry, bad quality"
+FULL = {"flux": dict(size=1024, steps=28, guidance_scale=3.5, true_cfg_scale=1.0, negative_prompt=None),
+        "qwen-image": dict(size=1024, steps=50, guidance_scale=None, true_cfg_scale=4.0, negative_prompt=NEGATIVE)}
+TARGETS = {"omni_vs_diffusers_eager": 1.0, "omni_vs_diffusers_compiled": 1.0, "fp8_vs_bf16": 1.3,
+           "offload_vs_resident_max": 1.10, "concurrency_throughput": 1.3}
+
+
+def require_diffusers() -> None:
+    try:
+        import diffusers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"real_models.py needs diffusers and transformers ({exc}); carry the wheels listed in "
+                 "benchmarks/README.md ('Real families') and put them on PYTHONPATH")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": values}
+
+
+class ForwardTimer:
+    """Wall time of every transformer forward (device-synchronised), grouped per denoising step by the caller."""
+
+    def __init__(self, transformer: torch.nn.Module, device: torch.device) -> None:
+        self.device, self.times, self._start = device, [], 0.0
+        self._handles = [transformer.register_forward_pre_hook(self._pre),
+                         transformer.register_forward_hook(self._post)]
+
+    def _pre(self, module: Any, args: Any) -> None:
+        synchronize(self.device)
+        self._start = time.perf_counter()
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        synchronize(self.device)
+        self.times.append(time.perf_counter() - self._start)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM over RGB channels (11x11 Gaussian window, sigma 1.5, the usual constants for 8-bit images)."""
+    x = torch.from_numpy(np.array(a)).permute(2, 0, 1).unsqueeze(1).double()
+    y = torch.from_numpy(np.array(b)).permute(2, 0, 1).unsqueeze(1).double()
+    coords = torch.arange(11, dtype=torch.float64) - 5
+    g = torch.exp(-(coords**2) / (2 * 1.5**2))
+    window = (g / g.sum()).outer(g / g.sum())[None, None]
+    mu_x, mu_y = F.conv2d(x, window), F.conv2d(y, window)
+    var_x = F.conv2d(x * x, window) - mu_x**2
+    var_y = F.conv2d(y * y, window) - mu_y**2
+    cov = F.conv2d(x * y, window) - mu_x * mu_y
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    value = ((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2))
+    return float(value.mean())
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = torch.float32 if args.smoke else torch.bfloat16
+        self.request = dict(FULL[args.family])
+        if args.smoke:
+            self.request.update(size=32, steps=3)
+        if args.steps:
+            self.request["steps"] = args.steps
+        self.results: dict[str, Any] = {"family": args.family, "request": dict(self.request), "phases": {}}
+        self.started = time.perf_counter()
+        self.seed = 1234
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.started:7.1f}s] {message}", flush=True)
+
+    # --- one image, timed ----------------------------------------------------------------------------------------
+
+    def _diffusers_call(self, pipe: Any, prompt: str, steps: int) -> Any:
+        r = self.request
+        kwargs = dict(prompt=prompt, num_inference_steps=steps, height=r["size"], width=r["size"],
+                      true_cfg_scale=r["true_cfg_scale"], negative_prompt=r["negative_prompt"],
+                      generator=torch.Generator("cpu").manual_seed(self.seed))
+        if r["guidance_scale"] is not None:
+            kwargs["guidance_scale"] = r["guidance_scale"]
+        return pipe(**kwargs).images[0]
+
+    def _omni_call(self, pipe: Any, prompt: str, steps: int) -> Any:
+        r = self.request
+        return pipe(prompt, negative_prompt=r["negative_prompt"], num_inference_steps=steps,
+                    guidance_scale=r["guidance_scale"], true_cfg_scale=r["true_cfg_scale"], seed=self.seed,
+                    height=r["size"], width=r["size"])[0]
+
+    def timed(self, name: str, call: Callable[[Any, str, int], Any], pipe: Any, transformer: torch.nn.Module,
+              repeats: int, forwards_per_step: int) -> np.ndarray:
+        """Warm up (2 steps), then ``repeats`` full images: e2e seconds and transformer ms/step."""
+        steps = self.request["steps"]
+        call(pipe, PROMPTS[0], min(2, steps))
+        synchronize(self.device)
+        timer = ForwardTimer(transformer, self.device)
+        e2e, image = [], None
+        try:
+            for _ in range(repeats):
+                synchronize(self.device)
+                start = time.perf_counter()
+                image = call(pipe, PROMPTS[0], steps)
+                synchronize(self.device)
+                e2e.append(time.perf_counter() - start)
+        finally:
+            timer.remove()
+        per_step = [1e3 * sum(timer.times[i : i + forwards_per_step])
+                    for i in range(0, len(timer.times), forwards_per_step)]
+        pixels = np.asarray(image)
+        self.results["phases"][name] = {"ms_per_step": summary(per_step), "e2e_s": summary(e2e),
+                                        "finite": bool(np.isfinite(pixels).all()), "pixel_std": float(pixels.std())}
+        self.log(f"{name}: {statistics.median(per_step):.1f} ms/step, {statistics.median(e2e):.2f} s/image "
+                 f"(n={repeats})")
+        return pixels
+
+    # --- phases --------------------------------------------------------------------------------------------------
+
+    def build(self) -> dict[str, Any]:
+        from omni_models import synthetic
+
+        build = synthetic.flux_components if self.args.family == "flux" else synthetic.qwen_image_components
+        start = time.perf_counter()
+        components = build("tiny" if self.args.smoke else "full", device=self.device, dtype=self.dtype,
+                           text_encoder_layers=self.args.text_encoder_layers, words=" ".join(PROMPTS).split())
+        synchronize(self.device)
+        transformer = components["transformer"]
+        self.results["build_s"] = time.perf_counter() - start
+        self.results["transformer_params"] = sum(p.numel() for p in transformer.parameters())
+        self.results["text_encoders"] = (
+            "full CLIP-L; T5-XXL width with %d layers" if self.args.family == "flux"
+            else "Qwen2.5-VL-7B text width with %d layers, 1-block vision tower") % self.args.text_encoder_layers
+        self.log(f"built {self.args.family}: transformer {self.results['transformer_params'] / 1e9:.2f}B params, "
+                 f"text encoders reduced ({self.results['text_encoders']})")
+        return components
+
+    def forwards_per_step(self, omni: bool) -> int:
+        guided = self.request["negative_prompt"] is not None and self.request["true_cfg_scale"] > 1
+        return 2 if guided and not omni else 1  # diffusers runs cond and uncond separately; omni batches them
+
+    def concurrency(self, pipe: Any) -> None:
+        r, steps = self.request, self.args.concurrency_steps or self.request["steps"]
+
+        def prepare(index: int) -> list:
+            return pipe.prepare(PROMPTS[index], negative_prompt=r["negative_prompt"], num_inference_steps=steps,
+                                guidance_scale=r["guidance_scale"], true_cfg_scale=r["true_cfg_scale"],
+                                seed=self.seed + index, height=r["size"], width=r["size"])
+
+        def serve(batches: list[list]) -> list[float]:
+            """Run the jobs of ``batches`` together; returns each request's completion time since t0."""
+            jobs = [job for batch in batches for job in batch]
+            pipe.encode_prompts(jobs)
+            while not all(job.finished for job in jobs):
+                pipe.run_denoise_step([job for job in jobs if not job.finished])
+            pipe.decode(jobs)
+            synchronize(self.device)
+            return [time.perf_counter()] * len(batches)
+
+        serve([prepare(0)])  # warm-up at this batch shape's sizes
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        sequential = [serve([prepare(i)])[0] - t0 for i in range(4)]
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        concurrent = [t - t1 for t in serve([prepare(i) for i in range(4)])]
+        ratio = sequential[-1] / concurrent[-1]
+        self.results["phases"]["concurrency"] = {
+            "steps": steps, "requests": 4,
+            "sequential_total_s": sequential[-1], "concurrent_total_s": concurrent[-1], "throughput_ratio": ratio,
+            "sequential_latency_s": {"p50": float(np.percentile(sequential, 50)), "p99": float(np.percentile(sequential, 99))},
+            "concurrent_latency_s": {"p50": float(np.percentile(concurrent, 50)), "p99": float(np.percentile(concurrent, 99))},
+        }
+        self.log(f"concurrency: 4 requests x {steps} steps: {sequential[-1]:.2f} s one after another, "
+                 f"{concurrent[-1]:.2f} s together -> {ratio:.2f}x throughput")
+
+    def offload(self, components: dict[str, Any], build: Callable[..., Any], resident_pixels: np.ndarray) -> None:
+        """Offload the resident transformer in place (its block bytes are packed straight from the device into
+        pinned host buffers), time it, then put it back on the device."""
+        from dlo_offload import enable_layerwise_offload
+
+        from omni_models.integrations import family_offload_plan
+
+        transformer = components["transformer"]
+        transformer_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
+        synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        start = time.perf_counter()
+        handle = enable_layerwise_offload(transformer, family_offload_plan(self.args.family,
+                                                                           self.args.offload_resident_blocks),
+                                          device=self.device, use_allgather=False)
+        enable_s = time.perf_counter() - start
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        after = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        pipe = build(components, offload=handle)
+        pixels = self.timed("offload", self._omni_call, pipe, transformer, self.args.repeats,
+                            self.forwards_per_step(True))
+        phase = self.results["phases"]["offload"]
+        phase.update(enable_s=enable_s, resident_blocks=self.args.offload_resident_blocks,
+                     slot_bytes=handle.slot_nbytes, resident_bytes=handle.resident_nbytes,
+                     host_bytes=handle.host_nbytes, pinned=handle.pinned, transformer_bytes=transformer_bytes,
+                     device_weight_bytes_expected=handle.resident_nbytes + 2 * handle.slot_nbytes,
+                     pixels_equal_resident=bool(np.array_equal(pixels, resident_pixels)))
+        if self.device.type == "cuda":
+            phase["device_weight_bytes_measured"] = after - (before - transformer_bytes)
+        self.log(f"offload: device weights {phase['device_weight_bytes_expected'] / 2**20:.1f} MiB "
+                 f"(resident parts + 2 slots) of {transformer_bytes / 2**20:.1f} MiB; image equals resident: "
+                 f"{phase['pixels_equal_resident']}")
+        handle.remove()  # streamed blocks come back to the host
+        transformer.to(self.device)
+
+    def fp8(self, components: dict[str, Any], build: Callable[..., Any], bf16_pixels: np.ndarray) -> None:
+        from omni_models.diffusers_adapter import load_fp8_transformer_component
+        from omni_models.integrations import quantize_family_fp8
+
+        transformer = components["transformer"]
+        work = Path(tempfile.mkdtemp(prefix="real_models_", dir=self.args.work_dir))
+        bf16_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
+        needed = int(bf16_bytes * 1.6)  # the bf16 shards plus the FP8 artifact, with room
+        free = shutil.disk_usage(work).free
+        source = self.args.fp8_source
+        if source == "cache" and free < needed:
+            source = f"online (work dir {work.parent} has {free / 2**30:.0f} GiB free; the cache path needs " \
+                     f"{needed / 2**30:.0f} GiB)"
+        phase: dict[str, Any] = {"source": source}
+        try:
+            if source == "cache":
+                start = time.perf_counter()
+                transformer.save_pretrained(str(work / "transformer"), max_shard_size="5GB")
+                phase["save_bf16_s"] = time.perf_counter() - start
+                timings = {}
+                for attempt in ("cold", "warm"):
+                    gc.collect()
+                    start = time.perf_counter()
+                    quantized, report = load_fp8_transformer_component(
+                        work / "transformer", self.args.family, device=self.device, dtype=self.dtype,
+                        cache_dir=work / "fp8-cache")
+                    synchronize(self.device)
+                    timings[attempt] = time.perf_counter() - start
+                    if attempt == "cold":
+                        del quantized
+                phase.update(load_cold_s=timings["cold"], load_warm_s=timings["warm"])
+                self.log(f"fp8 cache: cold build+load {timings['cold']:.1f} s, warm load {timings['warm']:.1f} s")
+                fp8_components = {**components, "transformer": quantized}
+            else:  # a copy: the compiled phase still needs the bf16 weights
+                quantized = copy.deepcopy(transformer)
+                report = quantize_family_fp8(self.args.family, quantized)
+                fp8_components = {**components, "transformer": quantized}
+            phase["quantized_linears"] = len(report.quantized)
+            pipe = build(fp8_components, fp8=report)
+            pixels = self.timed("fp8", self._omni_call, pipe, quantized, self.args.repeats, self.forwards_per_step(True))
+            self.results["phases"]["fp8"].update(phase, psnr_vs_bf16_db=psnr(pixels, bf16_pixels),
+                                                 ssim_vs_bf16=ssim(pixels, bf16_pixels))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            quantized = fp8_components = pipe = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def compiled(self, components: dict[str, Any], reference: Any, build: Callable[..., Any],
+                 diffusers_processors: dict) -> None:
+        transformer = components["transformer"]
+        backend = "eager" if self.args.smoke else "inductor"
+        transformer.set_attn_processor(diffusers_processors)
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        transformer.compile_repeated_blocks(backend=backend)
+        self.timed("diffusers_compiled", self._diffusers_call, reference, transformer, self.args.repeats,
+                   self.forwards_per_step(False))
+        self.results["phases"]["diffusers_compiled"]["first_call_and_runs_s"] = time.perf_counter() - start
+        torch._dynamo.reset()
+        pipe = build(components)  # installs omni's processors again
+        start = time.perf_counter()
+        pipe.compile_transformer(backend=backend)
+        self.timed("omni_compiled", self._omni_call, pipe, transformer, self.args.repeats, self.forwards_per_step(True))
+        self.results["phases"]["omni_compiled"]["first_call_and_runs_s"] = time.perf_counter() - start
+
+    def run(self) -> dict[str, Any]:
+        from omni_models import synthetic
+        from omni_models.diffusers_adapter import build_family_pipeline
+
+        family, phases = self.args.family, set(self.args.phases)
+        components = self.build()
+        transformer = components["transformer"]
+
+        def build(parts: dict[str, Any], **kwargs: Any) -> Any:
+            return build_family_pipeline(family, parts, name=f"random-{family}", device=self.device,
+                                         dtype=self.dtype, **kwargs)
+
+        reference = synthetic.diffusers_pipeline(family, components)
+        reference.set_progress_bar_config(disable=True)
+        diffusers_processors = dict(transformer.attn_processors)
+        steps_eager = self.forwards_per_step(False)
+        diffusers_pixels = self.timed("diffusers", self._diffusers_call, reference, transformer, self.args.repeats,
+                                      steps_eager)
+        pipe = build(components)
+        omni_pixels = self.timed("omni", self._omni_call, pipe, transformer, self.args.repeats,
+                                 self.forwards_per_step(True))
+        self.results["phases"]["omni"]["psnr_vs_diffusers_db"] = psnr(omni_pixels, diffusers_pixels)
+        if "concurrency" in phases:
+            self.concurrency(pipe)
+        if "fp8" in phases:  # before compiling: the FP8 transformer (a new module) runs eager
+            self.fp8(components, build, omni_pixels)
+        if "offload" in phases:  # before compiling: offload's hooks must run outside compiled blocks
+            self.offload(components, build, omni_pixels)
+        if "compiled" in phases:
+            self.compiled(components, reference, build, diffusers_processors)
+        self.results["total_s"] = time.perf_counter() - self.started
+        return self.results
+
+
+def ratios(results: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
+    """(what, ratio, target, met) for every target whose phases ran; speed ratios are >1 when omni is faster."""
+    phases = results["phases"]
+
+    def speed(base: str, new: str, key: str = "ms_per_step") -> float:
+        return phases[base][key]["median"] / phases[new][key]["median"]
+
+    lines = []
+    for label, base, new, target in (("omni bf16 vs diffusers, eager", "diffusers", "omni", "omni_vs_diffusers_eager"),
+                                     ("omni bf16 vs diffusers, compiled", "diffusers_compiled", "omni_compiled",
+                                      "omni_vs_diffusers_compiled"),
+                                     ("omni FP8 vs omni bf16, eager", "omni", "fp8", "fp8_vs_bf16")):
+        if base in phases and new in phases:
+            for key, unit in (("ms_per_step", "transformer ms/step"), ("e2e_s", "end-to-end s")):
+                value = speed(base, new, key)
+                lines.append((f"{label} ({unit})", value, TARGETS[target], value >= TARGETS[target]))
+    if "offload" in phases:
+        for key, unit in (("ms_per_step", "transformer ms/step"), ("e2e_s", "end-to-end s")):
+            value = 1 / speed("omni", "offload", key)
+            target = TARGETS["offload_vs_resident_max"]
+            lines.append((f"offload time / resident time ({unit})", value, target, value <= target))
+    if "concurrency" in phases:
+        value = phases["concurrency"]["throughput_ratio"]
+        lines.append(("4 concurrent vs one after another (throughput)", value, TARGETS["concurrency_throughput"],
+                      value >= TARGETS["concurrency_throughput"]))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("flux", "qwen-image"), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs, fp32, 32x32, 3 steps (CPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed images per phase (default 3 FLUX, 1 Qwen)")
+    parser.add_argument("--steps", type=int, default=None, help="override the family's step count")
+    parser.add_argument("--concurrency-steps", type=int, default=None,
+                        help="steps per request in the concurrency phase (default: all; 10 for Qwen-Image)")
+    parser.add_argument("--text-encoder-layers", type=int, default=2)
+    parser.add_argument("--offload-resident-blocks", type=int, default=0)
+    parser.add_argument("--fp8-source", choices=("cache", "online"), default="cache")
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()),
+                        help="where the bf16 transformer and its FP8 cache are written (removed afterwards)")
+    parser.add_argument("--phases", nargs="+", default=["concurrency", "offload", "compiled", "fp8"],
+                        choices=("concurrency", "offload", "compiled", "fp8"),
+                        help="phases after diffusers and omni eager (which always run)")
+    args = parser.parse_args(argv)
+    require_diffusers()
+    if args.repeats is None:
+        args.repeats = 1 if args.smoke or args.family == "qwen-image" else 3
+    if args.concurrency_steps is None and args.family == "qwen-image" and not args.smoke:
+        args.concurrency_steps = 10
+    results = Bench(args).run()
+    results.update(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                   torch=torch.__version__, dtype="float32" if args.smoke else "bfloat16", smoke=args.smoke,
+                   repeats=args.repeats, targets=TARGETS)
+    import diffusers
+    import transformers
+
+    results.update(diffusers=diffusers.__version__, transformers=transformers.__version__)
+    results["ratios"] = [{"what": w, "ratio": v, "target": t, "met": m} for w, v, t, m in ratios(results)]
+    print(f"\n{args.family} on {results['device']} ({results['dtype']}, {results['request']['size']}^2, "
+          f"{results['request']['steps']} steps, text encoders: {results['text_encoders']})")
+    for phase, values in results["phases"].items():
+        if "ms_per_step" in values:
+            step, e2e = values["ms_per_step"], values["e2e_s"]
+            print(f"  {phase:<20} {step['median']:9.1f} ms/step [{step['min']:.1f}, {step['max']:.1f}]  "
+                  f"{e2e['median']:8.2f} s/image [{e2e['min']:.2f}, {e2e['max']:.2f}]")
+    for what, value, target, met in ratios(results):
+        relation = "<=" if "offload" in what else ">="
+        print(f"  {what}: {value:.2f}x (target {relation} {target}x) {'MET' if met else 'NOT MET'}")
+    if "fp8" in results["phases"]:
+        fp8 = results["phases"]["fp8"]
+        print(f"  FP8 vs bf16 image: PSNR {fp8['psnr_vs_bf16_db']:.1f} dB, SSIM {fp8['ssim_vs_bf16']:.4f} "
+              f"(weights: {fp8['source']})")
+    print(f"  omni vs diffusers image (bf16 parity): PSNR {results['phases']['omni']['psnr_vs_diffusers_db']:.1f} dB")
+    print(f"  total {results['total_s']:.0f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"real_models_{args.family}.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()
