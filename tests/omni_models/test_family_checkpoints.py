@@ -90,8 +90,14 @@ def test_weights_that_disagree_with_their_config(flux_dev_dir, tmp_path):
     error = _expect(path, path / "transformer", "has shape [32, 32] but transformer/config.json implies [32, 48]")
     assert error.path.name.startswith("diffusion_pytorch_model-")  # the shard holding the tensor
     config.write_text(original)
-    _edit_json(path / "text_encoder_2" / "config.json", d_ff=40)
+    t5_config = path / "text_encoder_2" / "config.json"
+    original = t5_config.read_text()
+    _edit_json(t5_config, d_ff=40)
     _expect(path, path / "text_encoder_2", "but text_encoder_2/config.json implies")
+    t5_config.write_text(original)
+    _edit_json(t5_config, num_layers=1)  # the weights hold a second block the config does not describe
+    _expect(path, path / "text_encoder_2", "holds weights a model built from text_encoder_2/config.json does not "
+                                           "have: ['encoder.block.1.")
 
 
 def test_a_tensor_stored_with_the_wrong_dtype(flux_dev_dir, tmp_path):

@@ -138,7 +138,8 @@ def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get meta-device parameters (no memory, no init); buffers and other tensors stay real.
 
     ``torch.device("meta")`` would also turn buffers and plain tensor attributes (Qwen-Image's RoPE tables) into
-    meta tensors, which no checkpoint restores, so only parameter registration is redirected here.
+    meta tensors, which no checkpoint restores, so only parameter registration is redirected here. It patches
+    ``nn.Module.register_parameter`` for the duration: do not build modules on other threads meanwhile.
     """
     register = nn.Module.register_parameter
 
@@ -217,7 +218,14 @@ def _preflight_transformers_model(entry: ComponentEntry, cls: type) -> Preflight
                                       ignore_unexpected=True)
     quiet = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())]
     extra = [name for name in unexpected if not any(p.search(name) for p in quiet)]
-    if extra:  # transformers' own rule: unexpected keys are reported and skipped, not fatal
+    # Extra weights mean the config describes another architecture (more layers, another head); other extras
+    # (buffers older transformers versions saved, such as CLIP's position_ids) are skipped, as transformers does.
+    structural = [name for name in extra if name.endswith((".weight", ".bias"))]
+    if structural:
+        raise CheckpointError(headers[structural[0]].file,
+                              f"holds weights a model built from {entry.name}/config.json does not have: "
+                              f"{structural[:3]}{' ...' if len(structural) > 3 else ''}")
+    if extra:
         logger.warning("%s: ignoring %d tensors %s does not use, e.g. %s", entry.directory, len(extra),
                        entry.class_name, extra[:3])
     return PreflightedModel(entry, cls, config, weight_files(entry)[1])
@@ -571,6 +579,10 @@ def load_family_pipeline(
     never the bf16 shards; a miss quantizes and publishes it), else online. ``layerwise_offload`` keeps the
     transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
     """
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    if fp8_cache_dir is not None and quantization != "fp8":
+        raise ValueError("fp8_cache_dir needs quantization='fp8'")
     index = read_pipeline_index(directory)
     spec = FAMILIES.get(index.class_name)
     if spec is None:
@@ -590,8 +602,6 @@ def load_family_pipeline(
         else:
             host_components[slot_name] = _load_scheduler(entry)
     _check_family_configs(spec, models)
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
 
     loaded: dict[str, Any] = {}
     try:

@@ -38,6 +38,7 @@ is the ``FamilyBackend`` from ``omni_models.diffusers_adapter``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -282,7 +283,7 @@ class FamilyPipeline:
         sigmas, timesteps = self.backend.schedule(base.num_inference_steps, base.height, base.width)
         jobs = []
         for index in range(num_images):
-            request = FamilyRequest(**{**base.__dict__, "seed": base.seed + index})
+            request = dataclasses.replace(base, seed=base.seed + index)
             jobs.append(FamilyJob(
                 request=request, conditioning=conditioning,
                 latents=self.backend.initial_latents(request.seed, request.height, request.width),
