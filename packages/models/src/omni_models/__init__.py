@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import InvalidRequestError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from omni_models.pipeline import Pipeline, PipelineInfo, load
