@@ -3,7 +3,9 @@
 ``__call__`` is built on the stepwise API (``prepare`` -> ``run_prefix`` -> ``run_denoise_step``* ->
 ``decode``) over a private KV pool sized for the call, so an engine's pool bound through
 ``allocate_kv_caches`` is never touched by it. With ``attention_backend="dense"`` it uses the dense reference
-sampler instead (same images within floating-point noise).
+sampler instead (same images within floating-point noise). With ``cuda_graphs=True`` (CUDA, paged) each batch
+layout's denoise forward is captured once and replayed on later steps (``omni_models.graphs``); a pipeline with
+layerwise offload must keep it off.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from omni_models.checkpoint import load_config, load_weights
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
+from omni_models.graphs import StepGraphs
 from omni_models.hub import resolve_model_dir
 from omni_models.integrations import declare_kv_cache
 from omni_models.model import CausalPrefixDiT
@@ -71,9 +74,12 @@ class Pipeline:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: AttentionBackend = "paged",
+        cuda_graphs: bool = False,
     ) -> None:
         if attention_backend not in ("paged", "dense"):
             raise ValueError(f"attention_backend must be 'paged' or 'dense', got {attention_backend!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = device
@@ -90,6 +96,9 @@ class Pipeline:
             vocabulary=tokenizer.vocabulary[2:],
         )
         declare_kv_cache(model, dtype)
+        self.cuda_graphs = cuda_graphs
+        # Graphs of steps over the bound pool (run_denoise_step); __call__ keeps its own per call.
+        self.step_graphs: StepGraphs | None = StepGraphs() if cuda_graphs else None
         self._kv_layers = tuple(discover_kv_cache_specs(model).values())  # block order: layer_index order
         self.kv_caches: list[torch.Tensor] = []
         self._paged_kv: paged.PagedKV | None = None  # the bound caches plus the engine's row table
@@ -190,6 +199,7 @@ class Pipeline:
         """
         self.kv_caches = self._new_caches(num_blocks, block_size)
         self._paged_kv = None
+        self._forget_graphs()
         return self.kv_caches
 
     def _new_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
@@ -199,12 +209,14 @@ class Pipeline:
         """Read the rows of ``run_prefix``/``run_denoise_step`` batches from ``table`` (the engine installs and
         retires them there); it must address the bound caches: same block size and device, no more blocks."""
         self._paged_kv = paged.PagedKV(self._kv_layers, tuple(self.kv_caches), table)
+        self._forget_graphs()
 
     def allocate_kv_caches_for(self, jobs: Sequence[GenerationJob], block_size: int) -> list[ScheduledJob]:
         """Allocate and bind a pool holding exactly ``jobs``' rows, with its own row table, and return the jobs
         scheduled on it (for a forward outside an engine's pool, e.g. memory profiling)."""
         kv, batch = self._private_pool(jobs, block_size)
         self.kv_caches, self._paged_kv = list(kv.caches), kv
+        self._forget_graphs()
         return batch
 
     def _private_pool(self, jobs: Sequence[GenerationJob], block_size: int) -> tuple[paged.PagedKV, list[ScheduledJob]]:
@@ -227,6 +239,11 @@ class Pipeline:
         batch = [ScheduledJob(job, tuple(next(identities) for _ in job.rows)) for job in jobs]
         return paged.PagedKV(self._kv_layers, tuple(self._new_caches(next_block, block_size)), table), batch
 
+    def _forget_graphs(self) -> None:
+        """Captured steps read the previously bound pool: drop them (and the memory they hold)."""
+        if self.step_graphs is not None:
+            self.step_graphs.clear()
+
     def _bound_kv(self) -> paged.PagedKV:
         if self._paged_kv is None:
             raise ValueError(
@@ -244,7 +261,8 @@ class Pipeline:
         ``recompute_prefix`` runs the prompt tokens through every block again instead (the no-reuse baseline of
         the benchmarks: same images, more work).
         """
-        paged.denoise_step(self.model, self._bound_kv(), batch, recompute_prefix=recompute_prefix)
+        paged.denoise_step(self.model, self._bound_kv(), batch, recompute_prefix=recompute_prefix,
+                           graphs=self.step_graphs)
 
     def decode(self, job: GenerationJob) -> Image.Image:
         if not job.finished:
@@ -296,8 +314,9 @@ class Pipeline:
     def _generate_paged(self, jobs: list[GenerationJob], callback) -> list[Image.Image]:
         kv, batch = self._private_pool(jobs, CALL_BLOCK_SIZE)
         paged.write_prefix(self.model, kv, batch)
+        graphs = StepGraphs(max_graphs=1) if self.cuda_graphs else None
         for step in range(jobs[0].num_steps):
-            paged.denoise_step(self.model, kv, batch)
+            paged.denoise_step(self.model, kv, batch, graphs=graphs)
             if callback is not None:
                 callback(self, step, jobs[0].times[step], {"latents": torch.stack([job.latents for job in jobs])})
         return [self.decode(job) for job in jobs]
@@ -324,8 +343,12 @@ def load(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attention_backend: AttentionBackend = "paged",
+    cuda_graphs: bool = False,
 ) -> Pipeline:
     """Load a pipeline by shipped name, local directory, or local Hugging Face cache entry (no network).
+
+    ``cuda_graphs`` replays each batch layout's denoise forward as a CUDA graph after its first step (CUDA only;
+    not with layerwise offload).
 
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
     """
@@ -346,7 +369,7 @@ def load(
     model.load_state_dict(state, assign=True)
     model.to(device=device, dtype=dtype)
     return Pipeline(model, Tokenizer(vocabulary, max_tokens=config.max_prompt_tokens), device=device, dtype=dtype,
-                    attention_backend=attention_backend)
+                    attention_backend=attention_backend, cuda_graphs=cuda_graphs)
 
 
 def build_model(config: DiTConfig) -> CausalPrefixDiT:
