@@ -91,6 +91,29 @@ def test_unsupported_calls_say_why():
     assert "query heads" in triton_flash.supported(spread, cache)
 
 
+def test_the_public_op_runs_the_hopper_kernel_where_it_applies(monkeypatch):
+    """paged_attention(backend='triton') dispatches to triton_flash when supported, to triton_kernels otherwise.
+
+    Both kernels really run; the launchers are wrapped only to record which one the op called.
+    """
+    from diffusion_kv import paged_attention
+    from diffusion_kv.ops import triton_kernels
+
+    calls = []
+    for module in (triton_flash, triton_kernels):
+        launch = module.paged_attention
+        monkeypatch.setattr(module, "paged_attention",
+                            lambda *a, _launch=launch, _name=module.__name__, **k: calls.append(_name) or _launch(*a, **k))
+    rows = [(0, PAGE + 9), (5, 17)]
+    for dtype, kernel in ((torch.float16, "triton_flash"), (torch.float32, "triton_kernels")):
+        args, queries, dense = build_paged_rows(rows, 4, 2, HEAD, PAGE, dtype, seed=10, device=DEVICE,
+                                                backend="torch")
+        out = paged_attention(*args, backend="triton")
+        assert calls.pop().endswith(kernel) and not calls
+        expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 def _fp8_rows(rows, num_heads, num_kv_heads, seed):
     args, queries, dense = build_paged_rows(rows, num_heads, num_kv_heads, HEAD, PAGE, torch.bfloat16, seed=seed,
                                             device=DEVICE, backend="torch")
