@@ -11,12 +11,18 @@ cache first (``posix_fadvise(DONTNEED)``; honoured only for clean pages, so it i
 Warm tensors are checked bit-identical to online quantization.
 
 Part 2 (GEMM throughput, CUDA only; CPU smoke runs the same code through the dequantizing fallback). Per
-shape: bf16 ``nn.Linear`` vs ``FP8Linear`` (dynamic per-tensor activation quantization + ``torch._scaled_mm``;
-the headline "x"), the raw ``_scaled_mm`` on pre-quantized inputs ("gemm ms", "x gemm"), the activation
-quantizer alone ("actq ms"), and ``_scaled_mm(use_fast_accum=True)`` for reference only ("fa ms"; FP8Linear
-does not use it). Timed with ``triton.testing.do_bench`` (warm-up + repeats). Then FP8Linear variants (bias
-fused/unfused, fp16/fp32 inputs, 3-D and empty inputs) are checked against the dequantized reference.
-The script exits 1 if any correctness check fails.
+shape, all against bf16 ``nn.Linear`` in the same run:
+- ``FP8Linear`` on a bf16 input, quantizing it itself: per tensor (two passes, the default, "fp8 ms") and per
+  row (one pass, ``activation_scaling = "row"``, "row ms");
+- ``FP8Linear`` on an ``FP8Activation`` with per-row scales, as the fused op before it in the DiT writes it
+  ("pre ms", the headline "x pre": no quantization pass of its own);
+- the raw ``_scaled_mm`` on pre-quantized inputs, per tensor ("gemm ms") and rowwise ("rgemm ms"), the per-tensor
+  activation quantizer alone ("actq ms"), and ``use_fast_accum=True`` for reference only ("fa ms").
+Shapes: the 3072-wide DiT-like shapes (M = 4096 tokens) and the large causal-prefix DiT's own linears (M = 2048
+tokens: 2 CFG rows x 1024 image tokens; qkv, proj, fc1, fc2). Timed with ``triton.testing.do_bench`` (median).
+Then FP8Linear variants (bias fused/unfused, fp16/fp32 inputs, 3-D and empty inputs, per-row pre-quantized
+inputs) are checked against the dequantized reference. ``--gemm-only`` skips part 1. The script exits 1 if
+any correctness check fails.
 
 Usage (GPU): python benchmarks/fp8_cache.py --out "$OUT"      Smoke (CPU): python benchmarks/fp8_cache.py --smoke
 """
@@ -41,10 +47,12 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from fp8_cache import (  # noqa: E402
+    FP8Activation,
     FP8Linear,
     build_fp8_cache,
     load_fp8_weights,
     quantize_activation,
+    quantize_activation_rows,
     quantize_state_dict,
 )
 from fp8_cache.quant import per_tensor_scale, quantize_with_scale  # noqa: E402
@@ -163,7 +171,7 @@ def _time_ms(fn, device: torch.device) -> float:
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=25, rep=100))
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()
     t0 = time.perf_counter()
     reps = 3
@@ -172,9 +180,9 @@ def _time_ms(fn, device: torch.device) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def bench_gemm(shapes: list[tuple[int, int, int]], device: torch.device) -> list[dict]:
+def bench_gemm(shapes: list[tuple[str, int, int, int]], device: torch.device) -> list[dict]:
     rows = []
-    for m, k, n in shapes:
+    for label, m, k, n in shapes:
         torch.manual_seed(0)
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(linear)
@@ -182,15 +190,29 @@ def bench_gemm(shapes: list[tuple[int, int, int]], device: torch.device) -> list
         with torch.inference_mode():
             ref, out = linear(x), fp8(x)
             rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            pre = quantize_activation_rows(x)  # what the fused producer op hands over
+            rel_err_pre = ((fp8(pre).float() - ref.float()).norm() / ref.float().norm()).item()
             bf16_ms = _time_ms(lambda: linear(x), device)
             fp8_ms = _time_ms(lambda: fp8(x), device)
-            row = {"M": m, "K": k, "N": n, "bf16_ms": bf16_ms, "fp8_linear_ms": fp8_ms,
-                   "speedup_fp8_linear": bf16_ms / fp8_ms, "rel_err_vs_bf16": rel_err}
+            pre_ms = _time_ms(lambda: fp8(pre), device)
+            FP8Linear.activation_scaling = "row"
+            try:
+                row_ms = _time_ms(lambda: fp8(x), device)
+            finally:
+                FP8Linear.activation_scaling = "tensor"
+            row = {"shape": label, "M": m, "K": k, "N": n, "bf16_ms": bf16_ms, "fp8_linear_ms": fp8_ms,
+                   "fp8_linear_row_ms": row_ms, "fp8_prequantized_ms": pre_ms,
+                   "speedup_fp8_linear": bf16_ms / fp8_ms, "speedup_fp8_linear_row": bf16_ms / row_ms,
+                   "speedup_fp8_prequantized": bf16_ms / pre_ms,
+                   "rel_err_vs_bf16": rel_err, "rel_err_prequantized_vs_bf16": rel_err_pre}
             if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
                 xq, xs = quantize_activation(x)
                 wt = fp8.weight.t()
+                w_row = fp8.weight_scale.reshape(1, 1).expand(1, n).contiguous()
                 gemm_ms = _time_ms(lambda: torch._scaled_mm(xq, wt, scale_a=xs, scale_b=fp8.weight_scale,
                                                             out_dtype=torch.bfloat16), device)
+                rgemm_ms = _time_ms(lambda: torch._scaled_mm(pre.data, wt, scale_a=pre.scale, scale_b=w_row,
+                                                             out_dtype=torch.bfloat16), device)
                 fast_ms = _time_ms(lambda: torch._scaled_mm(xq, wt, scale_a=xs, scale_b=fp8.weight_scale,
                                                             out_dtype=torch.bfloat16, use_fast_accum=True), device)
                 quant_ms = _time_ms(lambda: quantize_activation(x), device)
@@ -199,11 +221,13 @@ def bench_gemm(shapes: list[tuple[int, int, int]], device: torch.device) -> list
                 ref_q = quantize_with_scale(x, ref_scale)
                 same = (xq.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean().item()
                 row.update(scaled_mm_ms=gemm_ms, speedup_gemm_only=bf16_ms / gemm_ms, act_quant_ms=quant_ms,
+                           scaled_mm_rowwise_ms=rgemm_ms, speedup_rowwise_gemm_only=bf16_ms / rgemm_ms,
                            scaled_mm_fast_accum_ms=fast_ms,
                            act_quant_bytes_equal_torch=same, act_scale_equal_torch=bool(torch.equal(xs, ref_scale)))
             flops = 2.0 * m * n * k
             row["bf16_tflops"] = flops / bf16_ms / 1e9
             row["fp8_linear_tflops"] = flops / fp8_ms / 1e9
+            row["fp8_prequantized_tflops"] = flops / pre_ms / 1e9
         rows.append(row)
     return rows
 
@@ -232,6 +256,19 @@ def module_checks(device: torch.device) -> dict[str, bool]:
             bound = (x.double().abs() @ w.double().abs().t()) * (2.0**-4 + 2.0**-7) + 1e-3
         results[label] = bool(out.shape == ref.shape and out.dtype == dtype
                               and ((out.double() - ref).abs() <= bound).all().item())
+    # Per-row pre-quantized inputs (the fused producers' output): the product of the stored FP8 values.
+    for label, bias in (("bf16_prequantized_rows_bias", True), ("bf16_prequantized_rows_no_bias", False)):
+        linear = torch.nn.Linear(256, 128, bias=bias, device=device, dtype=torch.bfloat16)
+        fp8 = FP8Linear.from_linear(linear)
+        act = quantize_activation_rows(torch.randn(2, 37, 256, device=device, dtype=torch.bfloat16) * 3)
+        with torch.inference_mode():
+            out = fp8(act)
+            x = act.data.double() * act.scale.double().reshape(2, 37, 1)
+            w = fp8.weight.double() * fp8.weight_scale.double()
+            ref = x @ w.t() + (fp8.bias.double() if bias else 0.0)
+            bound = (x.abs() @ w.abs().t()) * 2.0**-7 + 1e-3  # bf16 output rounding only
+        results[label] = bool(out.shape == (2, 37, 128) and out.dtype == torch.bfloat16
+                              and ((out.double() - ref).abs() <= bound).all().item())
     return results
 
 
@@ -245,42 +282,52 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=9, help="9 blocks of hidden 3072 ~ 1.02B parameters")
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the model (default: a temp dir)")
+    parser.add_argument("--gemm-only", action="store_true", help="skip part 1 (cache load times)")
     args = parser.parse_args()
     if args.smoke:
         args.hidden, args.blocks, args.files, args.repeats = 64, 2, 2, 1
         device = torch.device(args.device or "cpu")
-        shapes = [(64, 64, 64), (32, 64, 256)]
+        shapes = [("smoke", 64, 64, 64), ("smoke", 32, 64, 256)]
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        shapes = [(8192, 8192, 8192), (4096, 3072, 3072), (4096, 3072, 12288), (4096, 12288, 3072)]
+        shapes = [("square", 8192, 8192, 8192), ("dit3072.proj", 4096, 3072, 3072),
+                  ("dit3072.fc1", 4096, 3072, 12288), ("dit3072.fc2", 4096, 12288, 3072),
+                  ("large.qkv", 2048, 2048, 6144), ("large.proj", 2048, 2048, 2048),
+                  ("large.fc1", 2048, 2048, 8192), ("large.fc2", 2048, 8192, 2048)]
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "python": sys.version.split()[0], "smoke": args.smoke}
 
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        load = bench_load(args, device, Path(tmp))
+    load = None
+    if not args.gemm_only:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            load = bench_load(args, device, Path(tmp))
     gemm = bench_gemm(shapes, device)
     checks = module_checks(device)
 
     print(f"# fp8_cache on {meta['device']} (torch {meta['torch']})")
-    print(f"model: {load['params'] / 1e9:.3f} B params, source {load['source_bytes'] / 2**30:.2f} GiB bf16, "
-          f"cache {load['cache_bytes'] / 2**30:.2f} GiB; cold build {load['cold_build_s']:.2f} s; "
-          f"warm == online bit-identical: {load['bit_identical']} "
-          f"(vs safetensors reader: {load['bit_identical_vs_ordinary_reader']})")
-    print(f"{'regime':<20}{'online_ordinary s':>19}{'online_fast s':>15}{'warm_cache s':>14}"
-          f"{'x vs ordinary':>15}{'x vs fast':>11}")
-    for regime in ("page_cache_hot", "page_cache_evicted"):
-        r = load[regime]
-        print(f"{regime:<20}{r['online_ordinary']['median_s']:>19.3f}{r['online_fast']['median_s']:>15.3f}"
-              f"{r['warm_cache']['median_s']:>14.3f}{r['speedup_vs_online_ordinary']:>15.2f}"
-              f"{r['speedup_vs_online_fast']:>11.2f}")
-    print(f"{'M x K x N':<22}{'bf16 ms':>9}{'fp8 ms':>9}{'x':>7}{'gemm ms':>9}{'x gemm':>8}{'actq ms':>9}"
-          f"{'fa ms':>8}{'bf16 TF':>9}{'fp8 TF':>9}{'rel err':>9}")
+    if load is not None:
+        print(f"model: {load['params'] / 1e9:.3f} B params, source {load['source_bytes'] / 2**30:.2f} GiB bf16, "
+              f"cache {load['cache_bytes'] / 2**30:.2f} GiB; cold build {load['cold_build_s']:.2f} s; "
+              f"warm == online bit-identical: {load['bit_identical']} "
+              f"(vs safetensors reader: {load['bit_identical_vs_ordinary_reader']})")
+        print(f"{'regime':<20}{'online_ordinary s':>19}{'online_fast s':>15}{'warm_cache s':>14}"
+              f"{'x vs ordinary':>15}{'x vs fast':>11}")
+        for regime in ("page_cache_hot", "page_cache_evicted"):
+            r = load[regime]
+            print(f"{regime:<20}{r['online_ordinary']['median_s']:>19.3f}{r['online_fast']['median_s']:>15.3f}"
+                  f"{r['warm_cache']['median_s']:>14.3f}{r['speedup_vs_online_ordinary']:>15.2f}"
+                  f"{r['speedup_vs_online_fast']:>11.2f}")
+    nan = float("nan")
+    print(f"{'shape':<13}{'M x K x N':<18}{'bf16 ms':>9}{'fp8 ms':>8}{'x':>6}{'row ms':>8}{'x':>6}{'pre ms':>8}"
+          f"{'x pre':>7}{'gemm ms':>8}{'rgemm ms':>9}{'actq ms':>8}{'fa ms':>7}{'bf16 TF':>8}{'pre TF':>8}"
+          f"{'rel err':>8}")
     for r in gemm:
-        print(f"{r['M']}x{r['K']}x{r['N']:<10}{r['bf16_ms']:>9.3f}{r['fp8_linear_ms']:>9.3f}"
-              f"{r['speedup_fp8_linear']:>7.2f}{r.get('scaled_mm_ms', float('nan')):>9.3f}"
-              f"{r.get('speedup_gemm_only', float('nan')):>8.2f}{r.get('act_quant_ms', float('nan')):>9.3f}"
-              f"{r.get('scaled_mm_fast_accum_ms', float('nan')):>8.3f}"
-              f"{r['bf16_tflops']:>9.1f}{r['fp8_linear_tflops']:>9.1f}{r['rel_err_vs_bf16']:>9.4f}")
+        print(f"{r['shape']:<13}{r['M']}x{r['K']}x{r['N']:<8}{r['bf16_ms']:>9.3f}{r['fp8_linear_ms']:>8.3f}"
+              f"{r['speedup_fp8_linear']:>6.2f}{r['fp8_linear_row_ms']:>8.3f}{r['speedup_fp8_linear_row']:>6.2f}"
+              f"{r['fp8_prequantized_ms']:>8.3f}{r['speedup_fp8_prequantized']:>7.2f}"
+              f"{r.get('scaled_mm_ms', nan):>8.3f}{r.get('scaled_mm_rowwise_ms', nan):>9.3f}"
+              f"{r.get('act_quant_ms', nan):>8.3f}{r.get('scaled_mm_fast_accum_ms', nan):>7.3f}"
+              f"{r['bf16_tflops']:>8.1f}{r['fp8_prequantized_tflops']:>8.1f}{r['rel_err_vs_bf16']:>8.4f}")
     act = [(r["act_quant_bytes_equal_torch"], r["act_scale_equal_torch"]) for r in gemm if "act_quant_ms" in r]
     if act:
         print(f"Triton activation quantizer vs torch: scale equal {all(c[1] for c in act)}, "
@@ -293,7 +340,7 @@ def main() -> int:
             json.dumps({"meta": meta, "load": load, "gemm": gemm, "module_checks": checks}, indent=2)
         )
     # A wrong result makes the timing meaningless: fail loudly.
-    ok = all(checks.values()) and load["bit_identical"] and load["bit_identical_vs_ordinary_reader"]
+    ok = all(checks.values()) and (load is None or (load["bit_identical"] and load["bit_identical_vs_ordinary_reader"]))
     return 0 if ok else 1
 
 

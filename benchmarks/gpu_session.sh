@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call that checks and times everything GPU-side, writing under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]    (default: every step)
+# Issue 14 (Hopper speed), about 4 minutes:
+#   bash benchmarks/gpu_session.sh env dit_step modulation fp8_gemm paged_attention tests_hopper
 # Each step has its own time limit so one hang cannot eat the call; logs and JSON land in $OUT/gpu/, packed at
 # the end into $OUT/gpu_results.tar.gz (the device tool returns at most 8 files).
 set -uo pipefail
@@ -37,6 +39,12 @@ for s in "${steps[@]}"; do
     tests_other) step tests_other 80 python3 -m pytest tests/fp8_cache tests/dlo_offload -q -p no:cacheprovider ;;
     paged_attention) step paged_attention 150 python3 benchmarks/paged_attention.py --out "$R" ;;
     fp8_cache) step fp8_cache 120 python3 benchmarks/fp8_cache.py --out "$R" ;;
+    fp8_gemm) step fp8_gemm 60 python3 benchmarks/fp8_cache.py --gemm-only --out "$R" ;;
+    modulation) step modulation 60 python3 benchmarks/modulation.py --out "$R" ;;
+    dit_step) step dit_step 180 python3 benchmarks/dit_step.py --out "$R" ;;
+    tests_hopper) step tests_hopper 90 python3 -m pytest -q -p no:cacheprovider tests/diffusion_kv/test_ops_flash.py \
+                    tests/omni_models/test_fused_triton.py \
+                    tests/omni_models/test_paged_pipeline.py::test_cuda_graph_steps_equal_eager_steps ;;
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
     prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
     # The GPU image lacks the server's web stack: carry cp312 wheels in .whl/ (benchmarks/README.md says how).

@@ -12,12 +12,15 @@ from fp8_cache import (
     FP8_DTYPE,
     FP8_MAX,
     MIN_SCALE,
+    FP8Activation,
     FP8Linear,
     NonFiniteWeightError,
     dequantize,
     fp8_weight_names,
     load_fp8_state_dict,
+    per_row_scales,
     per_tensor_scale,
+    quantize_activation_rows,
     quantize_model,
     quantize_per_tensor,
 )
@@ -101,6 +104,72 @@ def test_fp8_linear_rejects_unaligned_shapes_and_wrong_inputs():
     layer = FP8Linear(32, 16)
     with pytest.raises(ValueError, match="last dim 32"):
         layer(torch.randn(2, 31))
+
+
+def test_per_row_quantization_gives_each_row_its_own_scale():
+    x = torch.tensor([[0.5, -3.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.25, -1.0]], dtype=torch.bfloat16)
+    act = quantize_activation_rows(x)
+    assert act.per_row and act.dtype == torch.bfloat16 and act.data.shape == (3, 3)
+    expected = torch.tensor([[3.0], [MIN_SCALE * FP8_MAX], [2.0]], dtype=torch.float32) / FP8_MAX
+    assert torch.equal(act.scale, expected) and torch.equal(per_row_scales(x), expected)
+    assert act.data.float()[0, 1].item() == -FP8_MAX and act.data.float()[2, 0].item() == FP8_MAX
+    assert torch.count_nonzero(act.data.float()[1]) == 0
+    torch.testing.assert_close(act.dequantize(), x, rtol=2.0**-4, atol=0)
+    leading = quantize_activation_rows(torch.randn(2, 3, 32))
+    assert leading.data.shape == (2, 3, 32) and leading.scale.shape == (6, 1)
+
+
+def test_fp8_activation_rejects_what_fp8_linear_could_not_consume():
+    data = torch.zeros(4, 32, dtype=FP8_DTYPE)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        FP8Activation(torch.zeros(4, 32), torch.ones(()), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"0-dim or \[4, 1\]"):
+        FP8Activation(data, torch.ones(4), torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        FP8Activation(data, torch.ones((), dtype=torch.float64), torch.bfloat16)
+    with pytest.raises(ValueError, match="high-precision"):
+        FP8Activation(data, torch.ones(()), torch.int32)
+    with pytest.raises(ValueError, match="contiguous"):
+        FP8Activation(torch.zeros(32, 4, dtype=FP8_DTYPE).t(), torch.ones(()), torch.bfloat16)
+    layer = FP8Linear(64, 16)
+    with pytest.raises(ValueError, match="last dim 64"):
+        layer(FP8Activation(data, torch.ones(()), torch.bfloat16))
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_fp8_linear_takes_a_pre_quantized_activation(per_row):
+    """The product of the stored FP8 values: equal to running the layer on the dequantized activation."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    fp8 = FP8Linear.from_linear(linear)
+    x = torch.randn(3, 5, 64)
+    if per_row:
+        act = quantize_activation_rows(x)
+    else:
+        q, scale = quantize_per_tensor(x)
+        act = FP8Activation(q, scale, torch.float32)
+    out = fp8(act)
+    assert out.shape == (3, 5, 32) and out.dtype == torch.float32
+    torch.testing.assert_close(out, fp8(act.dequantize()), rtol=0, atol=0)
+    ref = x.double() @ linear.weight.double().t() + linear.bias.double()
+    bound = (x.double().abs() @ linear.weight.double().abs().t()) * 2 * FP8_REL_STEP + 1e-6
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    empty = fp8(quantize_activation_rows(torch.randn(0, 64)))
+    assert empty.shape == (0, 32)
+
+
+def test_the_weight_scale_row_follows_every_change_of_the_scale():
+    """Rowwise GEMMs read the scale as a memoized [1, out] row: loading a new scale, in place or assigned, refreshes it."""
+    layer = FP8Linear.from_linear(nn.Linear(32, 16))
+    first = layer._weight_scale_row()
+    assert first.shape == (1, 16) and first.is_contiguous() and layer._weight_scale_row() is first
+    state = layer.state_dict()
+    state["weight_scale"] = state["weight_scale"] * 2
+    layer.load_state_dict(state)  # in place
+    assert torch.equal(layer._weight_scale_row(), first * 2)
+    state["weight_scale"] = state["weight_scale"] * 2
+    layer.load_state_dict(state, assign=True)
+    assert torch.equal(layer._weight_scale_row(), first * 4)
 
 
 def test_fp8_linear_state_dict_layout():

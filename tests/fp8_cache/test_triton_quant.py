@@ -51,3 +51,39 @@ def test_activation_quantizer_kernels_match_the_torch_reference_on_exact_inputs(
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+ROW_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fp8_cache._triton_quant import quantize_rows_triton
+    from fp8_cache.quant import FP8_DTYPE, MIN_SCALE, per_row_scales, quantize_with_scale
+
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid)]
+    for rows, width in [(5, 4097), (3, 48), (2, 9000)]:
+        picks = grid[torch.randint(len(grid), (rows, width), generator=g)]
+        picks[:, -1] = 448.0  # each row's amax lands in its last (partial) chunk
+        exponents = torch.arange(rows, dtype=torch.float32)[:, None] - 3.0
+        x = (picks * 2.0 ** exponents).to(torch.bfloat16)  # row r: scale 2^(r-3) exactly
+        wide = torch.zeros(rows, width + 16, dtype=torch.bfloat16)
+        wide[:, :width] = x
+        q, scale = quantize_rows_triton(wide[:, :width])  # a strided view: the row stride is honoured
+        assert scale.shape == (rows, 1) and torch.equal(scale, per_row_scales(x)), scale
+        assert torch.equal(q.view(torch.uint8), quantize_with_scale(x, scale).view(torch.uint8)), (rows, width)
+    q, scale = quantize_rows_triton(torch.zeros(2, 32, dtype=torch.bfloat16))
+    assert torch.equal(scale, torch.full((2, 1), MIN_SCALE)) and torch.count_nonzero(q.float()) == 0
+    q, scale = quantize_rows_triton(torch.zeros(0, 32, dtype=torch.bfloat16))
+    assert q.shape == (0, 32) and scale.shape == (0, 1)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.triton
+def test_row_quantizer_kernel_matches_the_torch_reference_on_exact_inputs():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ROW_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")

@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA the Triton kernels run under the interpreter, which must be chosen before anything imports Triton:
+# diffusers/transformers (the family tests) import it too, and tl.sum & co. would then be compiled-mode functions
+# that interpreted kernels cannot call.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from omni_models.captions import VOCABULARY
 from omni_models.checkpoint import save_config, save_weights
 from omni_models.config import DiTConfig

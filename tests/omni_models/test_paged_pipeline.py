@@ -123,6 +123,51 @@ def test_velocities_of_one_step_are_the_dense_models(pipes):
         torch.testing.assert_close(torch.stack(rows), dense, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_token_ops_match_the_unfused_sequence(pipes):
+    """The flat layout's fused, indexed ops against the unfused torch sequence, two jobs at different steps."""
+    pipe = pipes[0]
+    results = []
+    for fused_ops in (True, False):
+        pipe.model.set_fused_ops(fused_ops)
+        jobs = [pipe.prepare(PROMPTS[i], num_inference_steps=3, seed=4 + i) for i in range(2)]
+        batch = pipe.allocate_kv_caches_for(jobs, block_size=8)
+        pipe.run_prefix(batch)
+        pipe.run_denoise_step(batch[:1])  # from here on the rows of one forward sit at different timesteps
+        while not jobs[1].finished:
+            pipe.run_denoise_step([s for s in batch if not s.job.finished])
+        results.append(torch.stack([job.latents for job in jobs]))
+    pipe.model.set_fused_ops(True)
+    assert all(module.fused_ops for module in pipe.model.modules() if hasattr(module, "fused_ops"))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_steps_equal_eager_steps(random_model_dir):
+    pipe = omni_models.load(str(random_model_dir), device="cuda", dtype=torch.float32)
+    graphed = omni_models.load(str(random_model_dir), device="cuda", dtype=torch.float32, cuda_graphs=True)
+    expected = _pixels(pipe(PROMPTS, num_inference_steps=4, seed=3))
+    assert np.array_equal(_pixels(graphed(PROMPTS, num_inference_steps=4, seed=3)), expected)
+    jobs = [graphed.prepare(prompt, num_inference_steps=4, seed=3 + i) for i, prompt in enumerate(PROMPTS)]
+    batch = graphed.allocate_kv_caches_for(jobs, block_size=16)
+    graphed.run_prefix(batch)
+    while not jobs[0].finished:
+        graphed.run_denoise_step(batch)
+    assert graphed.step_graphs.captures == 1 and graphed.step_graphs.replays == 3
+    assert np.array_equal(_pixels([graphed.decode(job) for job in jobs]), expected)
+
+
+def test_step_graphs_refuse_bad_settings_and_cpu_tensors():
+    from omni_models.graphs import StepGraphs
+
+    with pytest.raises(ValueError, match="max_graphs"):
+        StepGraphs(max_graphs=0)
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        StepGraphs().run("key", lambda: None, lambda plan, x: x, torch.zeros(2))
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
+        omni_models.Pipeline(torch.nn.Module(), None, device=torch.device("cpu"), dtype=torch.float32,
+                             cuda_graphs="yes")
+
+
 def test_stepwise_misuse_is_refused_with_a_reason(pipes):
     pipe = pipes[0]
     job = pipe.prepare("a red circle", num_inference_steps=2, guidance_scale=1.0, seed=0)

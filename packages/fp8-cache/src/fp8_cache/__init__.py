@@ -8,7 +8,7 @@ weights on a device from a hit (bit-identical to online quantization) or quantiz
 :func:`load_fp8_cache_manifest` / :func:`check_artifact` / :func:`verify_artifact` validate without raising.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from fp8_cache.artifact import (
     CACHE_COMPLETE_NAME,
@@ -32,11 +32,13 @@ from fp8_cache.build import (
     select_quantized,
 )
 from fp8_cache.linear import (
+    FP8Activation,
     FP8Linear,
     QuantizationReport,
     fp8_weight_names,
     load_fp8_state_dict,
     quantize_activation,
+    quantize_activation_rows,
     quantize_model,
     scaled_mm_available,
 )
@@ -47,6 +49,7 @@ from fp8_cache.quant import (
     MIN_SCALE,
     NonFiniteWeightError,
     dequantize,
+    per_row_scales,
     per_tensor_scale,
     quantize_per_tensor,
 )
@@ -64,6 +67,7 @@ __all__ = [
     "QUANTIZATION_CONTRACT",
     "BuildResult",
     "Expectation",
+    "FP8Activation",
     "FP8Linear",
     "LoadResult",
     "NonFiniteWeightError",
@@ -75,9 +79,11 @@ __all__ = [
     "load_fp8_cache_manifest",
     "load_fp8_state_dict",
     "load_fp8_weights",
+    "per_row_scales",
     "per_tensor_scale",
     "publish_artifact",
     "quantize_activation",
+    "quantize_activation_rows",
     "quantize_model",
     "quantize_per_tensor",
     "quantize_state_dict",

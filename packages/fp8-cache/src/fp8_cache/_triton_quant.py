@@ -1,4 +1,4 @@
-"""Dynamic per-tensor FP8 quantization of activations in two Triton passes.
+"""Dynamic FP8 quantization of activations in Triton: per tensor (two passes) or per row (one pass).
 
 The torch expression (amax, scale arithmetic, ``(x.float() / s).clamp(...).to(fp8)``) launches about six
 kernels and makes four passes over memory with float32 temporaries; at DiT shapes that costs as much as the
@@ -8,6 +8,13 @@ read twice and one byte per element is written. Imported only on CUDA (Triton sh
 
 The scale rule is the library's (``max(amax / FP8_MAX, MIN_SCALE)``); Triton's float32 division may differ
 from IEEE division in the last bit, which is irrelevant for activations (weights use the exact torch path).
+
+Per row (``quantize_rows_triton``), one program owns a row: it reduces the row's ``|x|``, then casts it,
+re-reading the row from the cache rather than from memory (a row is a few tens of KiB at most), so ``x``
+leaves memory once. The scale is an exact (round-to-nearest) division, so it equals the torch expression; the
+values are multiplied by its reciprocal (one division per row: a per-element IEEE division costs more than the
+memory traffic), which can move a value lying within a float32 rounding of an FP8 rounding boundary by one
+FP8 step (never for power-of-two scales).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from fp8_cache.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 _AMAX_BLOCK = 8192
 _CAST_BLOCK = 4096
+_ROW_BLOCK_MAX = 4096
 
 
 @triton.jit
@@ -53,5 +61,44 @@ def quantize_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         _amax_kernel[(triton.cdiv(n, _AMAX_BLOCK),)](x, amax, n, BLOCK=_AMAX_BLOCK, num_warps=8)
     _scale_and_cast_kernel[(max(1, triton.cdiv(n, _CAST_BLOCK)),)](
         x, amax, scale, out, n, FP8_MAX, MIN_SCALE, BLOCK=_CAST_BLOCK, num_warps=8
+    )
+    return out, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, width, stride_x, stride_out, fp8_max, min_scale,
+                          BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for chunk in tl.static_range(NUM_CHUNKS):
+        offs = chunk * BLOCK + cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < width, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+    inverse = tl.math.div_rn(1.0, scale)
+    tl.store(scale_ptr + row, scale)
+    for chunk in tl.static_range(NUM_CHUNKS):
+        offs = chunk * BLOCK + cols
+        mask = offs < width
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.clamp(x * inverse, -fp8_max, fp8_max)
+        tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 copy of 2-D x, float32 [rows, 1] scales)``; x may have any row stride (its last dim contiguous)."""
+    rows, width = x.shape
+    out = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return out, scale
+    if width == 0:
+        scale.fill_(MIN_SCALE)
+        return out, scale
+    block = min(triton.next_power_of_2(width), _ROW_BLOCK_MAX)
+    _quantize_rows_kernel[(rows,)](
+        x, out, scale, width, x.stride(0), out.stride(0), FP8_MAX, MIN_SCALE,
+        BLOCK=block, NUM_CHUNKS=triton.cdiv(width, block), num_warps=4 if block <= 1024 else 8,
     )
     return out, scale

@@ -1,8 +1,10 @@
 """``FP8Linear`` and ``quantize_model``: swap eligible ``nn.Linear`` layers for per-tensor FP8 ones.
 
 On a CUDA device with FP8 tensor cores (compute capability 8.9+, e.g. L4/H100/H200) the forward pass
-quantizes the activation dynamically (one per-tensor scale per call) and runs ``torch._scaled_mm``.
-Everywhere else it dequantizes the weight and runs an ordinary matmul, so results agree within FP8 error.
+quantizes the activation dynamically and runs ``torch._scaled_mm``: one scale per call by default, or one per
+row (``FP8Linear.activation_scaling = "row"``, one pass over the activation). An op that produces the
+activation can quantize it itself and pass an :class:`FP8Activation`, so no separate quantization pass runs.
+Everywhere else the layer dequantizes and runs an ordinary matmul, so results agree within FP8 error.
 """
 
 from __future__ import annotations
@@ -12,12 +14,20 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8_cache.quant import FP8_DTYPE, dequantize, per_tensor_scale, quantize_with_scale, require_finite_scales
+from fp8_cache.quant import (
+    FP8_DTYPE,
+    dequantize,
+    per_row_scales,
+    per_tensor_scale,
+    quantize_with_scale,
+    require_finite_scales,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,82 @@ def _triton_quantizer():
     return quantize_activation_triton
 
 
+@dataclass(frozen=True)
+class FP8Activation:
+    """An activation already quantized by the op that produced it, ready for :class:`FP8Linear`.
+
+    ``data``: ``float8_e4m3fn`` ``[..., in_features]``, contiguous. ``scale``: float32, either 0-dim (one scale
+    for the whole tensor) or ``[rows, 1]`` with ``rows = data.numel() // data.shape[-1]`` (one scale per row).
+    ``dtype``: the floating dtype the activation had, which the linear's output takes. The library's contract
+    holds for each scale group: ``scale = max(amax / FP8_MAX, MIN_SCALE)``, ``data = fp8(clamp(x / scale))``,
+    so ``data * scale`` approximates the activation within one FP8 rounding step.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != FP8_DTYPE:
+            raise TypeError(f"FP8Activation.data must be {FP8_DTYPE}, got {self.data.dtype}")
+        if self.data.dim() < 1 or not self.data.is_contiguous():
+            raise ValueError(f"FP8Activation.data must be a contiguous tensor of rank >= 1, got {tuple(self.data.shape)}")
+        if self.scale.dtype != torch.float32 or self.scale.device != self.data.device:
+            raise ValueError(
+                f"FP8Activation.scale must be float32 on {self.data.device}, got {self.scale.dtype} on {self.scale.device}"
+            )
+        width = self.data.shape[-1]
+        rows = self.data.numel() // width if width else 0
+        if self.scale.dim() != 0 and tuple(self.scale.shape) != (rows, 1):
+            raise ValueError(
+                f"FP8Activation.scale must be 0-dim or [{rows}, 1] (one per row of data {tuple(self.data.shape)}), "
+                f"got {tuple(self.scale.shape)}"
+            )
+        if not self.dtype.is_floating_point or self.dtype == FP8_DTYPE:
+            raise ValueError(f"FP8Activation.dtype must be a high-precision floating dtype, got {self.dtype}")
+
+    @property
+    def per_row(self) -> bool:
+        return self.scale.dim() == 2
+
+    def dequantize(self) -> torch.Tensor:
+        """``data * scale`` in float32, returned in ``dtype`` with ``data``'s shape."""
+        width = self.data.shape[-1]
+        values = self.data.reshape(-1, width).to(torch.float32) * self.scale
+        return values.reshape(self.data.shape).to(self.dtype)
+
+
+def quantize_activation_rows(x: torch.Tensor) -> FP8Activation:
+    """Dynamic per-row FP8 quantization of ``x [..., width]``: one scale per row (the leading dims flattened).
+
+    On CUDA one Triton pass (the row is read from memory once); elsewhere the exact torch expression. Scales
+    agree exactly; the CUDA pass multiplies by the scale's reciprocal, so a value within a float32 rounding of
+    an FP8 rounding boundary may land one FP8 step away.
+    """
+    if not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(f"quantize_activation_rows needs a floating tensor of rank >= 1, got {x.dtype} {tuple(x.shape)}")
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    kernel = _triton_row_quantizer() if x.is_cuda else None
+    if kernel is not None:
+        data, scale = kernel(x2d)
+    else:
+        scale = per_row_scales(x2d)
+        data = quantize_with_scale(x2d, scale)
+    return FP8Activation(data.reshape(x.shape), scale, x.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_row_quantizer():
+    try:
+        from fp8_cache._triton_quant import quantize_rows_triton
+    except ImportError:
+        logger.warning("Triton is not importable; per-row FP8 activation quantization uses plain torch ops")
+        return None
+    return quantize_rows_triton
+
+
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-tensor FP8 quantization of an activation: ``(contiguous x_fp8, float32 0-dim scale)``.
 
@@ -77,7 +163,14 @@ class FP8Linear(nn.Module):
     0-dim) and optionally ``bias`` (kept in high precision). A fused projection (several logical output
     widths in one weight, ``logical_widths``) shares the single scale; no per-shard requantization happens.
     Parameters never require grad: this is an inference module.
+
+    ``forward`` takes a high-precision tensor, quantized here (``activation_scaling``: ``"tensor"``, one dynamic
+    scale per call in two passes, or ``"row"``, one scale per row in one pass), or an :class:`FP8Activation`
+    quantized by the op that produced it. Per-row scales run the FP8 GEMM for bfloat16 outputs; other output
+    dtypes with per-row scales take the dequantized path.
     """
+
+    activation_scaling: ClassVar[Literal["tensor", "row"]] = "tensor"
 
     def __init__(
         self,
@@ -134,29 +227,64 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | FP8Activation) -> torch.Tensor:
+        if isinstance(x, FP8Activation):
+            return self._forward_fp8(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear expected last dim {self.in_features}, got input of shape {tuple(x.shape)}")
         if scaled_mm_available(x.device) and x.dtype in _SCALED_MM_OUT_DTYPES:
-            return self._forward_scaled_mm(x)
+            if x.numel() == 0:
+                return x.new_empty(*x.shape[:-1], self.out_features)
+            if self.activation_scaling == "row" and x.dtype == torch.bfloat16:
+                return self._forward_fp8(quantize_activation_rows(x))
+            x_fp8, x_scale = quantize_activation(x.reshape(-1, self.in_features))
+            return self._forward_fp8(FP8Activation(x_fp8.reshape(x.shape), x_scale, x.dtype))
         weight = dequantize(self.weight, self.weight_scale, x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, weight, bias)
 
-    def _forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] == 0:
-            return x.new_empty(*leading, self.out_features)
-        x_fp8, x_scale = quantize_activation(x2d)
+    def _weight_scale_row(self) -> torch.Tensor:
+        """The weight's scale as a contiguous ``[1, out_features]`` row, as rowwise ``_scaled_mm`` requires.
+
+        Memoized on the scale tensor's identity, storage and version counter, so replacing or updating the scale
+        (``load_state_dict``, with or without ``assign``) recomputes it; inference tensors, which keep no version
+        counter, recompute it on every call.
+        """
+        scale = self.weight_scale
+        try:
+            key = (id(scale), scale.data_ptr(), scale._version)
+        except RuntimeError:  # an inference tensor
+            key = None
+        cached = self.__dict__.get("_scale_row_memo")
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        row = scale.detach().reshape(1, 1).expand(1, self.out_features).contiguous()
+        if key is not None:
+            self.__dict__["_scale_row_memo"] = (key, row)
+        return row
+
+    def _forward_fp8(self, x: FP8Activation) -> torch.Tensor:
+        data = x.data
+        if data.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expected last dim {self.in_features}, got input of shape {tuple(data.shape)}")
+        leading = data.shape[:-1]
         out_dtype = x.dtype
+        x2d = data.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            return torch.empty(*leading, self.out_features, dtype=out_dtype, device=data.device)
+        gemm_ok = out_dtype == torch.bfloat16 if x.per_row else out_dtype in _SCALED_MM_OUT_DTYPES
+        if not (gemm_ok and scaled_mm_available(data.device)):
+            weight = dequantize(self.weight, self.weight_scale, out_dtype)
+            bias = self.bias.to(out_dtype) if self.bias is not None else None
+            return F.linear(x.dequantize(), weight, bias)
+        weight_scale = self._weight_scale_row() if x.per_row else self.weight_scale
         # _scaled_mm fuses the bias only for half-precision outputs with a bias of the same dtype.
         fuse_bias = self.bias is not None and out_dtype != torch.float32 and self.bias.dtype == out_dtype
         out = torch._scaled_mm(
-            x_fp8,
+            x2d,
             self.weight.t(),  # column-major view of the row-major [out, in] weight, as _scaled_mm requires
-            scale_a=x_scale,
-            scale_b=self.weight_scale,
+            scale_a=x.scale,
+            scale_b=weight_scale,
             bias=self.bias if fuse_bias else None,
             out_dtype=out_dtype,
         )

@@ -64,6 +64,21 @@ def quantize_per_tensor(tensor: torch.Tensor, *, name: str = "tensor") -> tuple[
     return quantize_with_scale(tensor, scale), scale
 
 
+def per_row_scales(tensor: torch.Tensor) -> torch.Tensor:
+    """float32 ``[rows, 1]`` scales of a 2-D tensor, one per row, by the same rule as :func:`per_tensor_scale`.
+
+    ``scale[r] = max(amax(|tensor[r]|) / FP8_MAX, MIN_SCALE)``. Used for activations (no finiteness check).
+    """
+    if tensor.dim() != 2:
+        raise ValueError(f"per_row_scales expects a 2-D tensor, got shape {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"FP8 quantization needs a floating-point tensor, got dtype {tensor.dtype}")
+    if tensor.shape[1] == 0:
+        return torch.full((tensor.shape[0], 1), MIN_SCALE, dtype=torch.float32, device=tensor.device)
+    amax = tensor.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    return torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
+
+
 def dequantize(qtensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``qtensor * scale`` computed in float32, returned as ``dtype``."""
     if qtensor.dtype != FP8_DTYPE:

@@ -9,6 +9,12 @@ Blocks are layout-agnostic: token tensors are either batched ``[B, L, width]`` o
 (ragged rows, as the paged runner uses). The attention itself is injected as an ``attend`` callable, so the same
 block weights serve the dense reference path (SDPA with the causal-prefix mask) and the paged path
 (``diffusion_kv``); each block's ``forward`` is the only entry point, so module hooks (offload) see every call.
+
+In the flat layout every target token names its request row (``target_row_ids``), and the adaLN modulation,
+gated residuals and norms run as the fused, indexed ops of ``omni_models.fused`` (Triton on CUDA, the torch
+reference elsewhere); when a consuming linear is an ``fp8_cache.FP8Linear``, the op before it writes FP8.
+``CausalPrefixDiT.set_fused_ops(False)`` selects the unfused torch sequence instead (gather every token's
+modulation rows, then separate norm, scale, shift and gate ops), the reference these ops are measured against.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omni_models import fused
 from omni_models.captions import PAD_ID
 from omni_models.config import DiTConfig
 
@@ -47,15 +54,15 @@ class AttendFn(Protocol):
 class RMSNorm(nn.Module):
     """RMS norm computed in float32 and returned in the input's dtype (works for any weight/input dtype mix)."""
 
+    fused_ops = True  # one kernel per [tokens, heads, size] call on CUDA (omni_models.fused.rms_norm)
+
     def __init__(self, size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return fused.rms_norm(x, self.weight, eps=self.eps, backend="auto" if self.fused_ops else "torch")
 
 
 class JointAttention(nn.Module):
@@ -71,19 +78,25 @@ class JointAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_size)
         self.proj = nn.Linear(width, width)
 
-    def project(self, x: Tensor) -> QKV:
+    def project(self, x: Tensor | fused.FP8Activation) -> QKV:
+        """q, k (RMS-normed) and v; ``x`` may be an FP8 activation when ``qkv`` is an FP8 linear."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_size)).unbind(-3)
         return QKV(self.q_norm(q), self.k_norm(k), v)
 
 
 class MLP(nn.Module):
+    fused_ops = True  # with an FP8 fc2, GELU writes its FP8 input (omni_models.fused.gelu_quantize)
+
     def __init__(self, width: int, hidden: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(width, hidden)
         self.fc2 = nn.Linear(hidden, width)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+    def forward(self, x: Tensor | fused.FP8Activation) -> Tensor:
+        hidden = self.fc1(x)
+        if self.fused_ops and hidden.dim() == 2 and fused.wants_fp8_input(self.fc2, hidden):
+            return self.fc2(fused.gelu_quantize(hidden))  # GELU writes FP8: no quantization pass of its own
+        return self.fc2(F.gelu(hidden, approximate="tanh"))
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -97,6 +110,8 @@ def _per_token(rows: Tensor, target_row_ids: Tensor | None) -> Tensor:
 
 class CausalPrefixBlock(nn.Module):
     """Pre-norm transformer block shared by prefix and target tokens; adaLN-zero on target tokens only."""
+
+    fused_ops = True  # flat layout: the indexed fused ops of omni_models.fused (else the unfused torch sequence)
 
     def __init__(self, width: int, num_heads: int, mlp_ratio: float, layer_index: int) -> None:
         super().__init__()
@@ -120,16 +135,33 @@ class CausalPrefixBlock(nn.Module):
         if prefix is not None:
             prefix_qkv = self.attn.project(self.prefix_norm1(prefix))
         if target is not None:
-            modulation = _per_token(self.modulation(F.silu(target_cond)), target_row_ids)
-            shift1, scale1, gate1, shift2, scale2, gate2 = modulation.chunk(6, dim=-1)
-            target_qkv = self.attn.project(_modulate(self.target_norm1(target), shift1, scale1))
+            modulation = self.modulation(F.silu(target_cond))
+            indexed = target_row_ids is not None and self.fused_ops
+            if not indexed:  # per-token copies of the modulation rows, broadcast (batched) or gathered (flat)
+                shift1, scale1, gate1, shift2, scale2, gate2 = _per_token(modulation, target_row_ids).chunk(6, dim=-1)
+                hidden = _modulate(self.target_norm1(target), shift1, scale1)
+            else:  # flat [tokens, width]: each token reads its request row's modulation by index
+                shift1, scale1, gate1, shift2, scale2, gate2 = modulation.chunk(6, dim=-1)
+                hidden = fused.layer_norm_modulate(
+                    target, shift1, scale1, target_row_ids, eps=self.target_norm1.eps,
+                    quantize=fused.wants_fp8_input(self.attn.qkv, target),
+                )
+            target_qkv = self.attn.project(hidden)
         out_p, out_t = attend(self.attn, prefix_qkv, target_qkv)
         if prefix is not None:
             prefix = prefix + self.attn.proj(out_p.flatten(-2))
             prefix = prefix + self.mlp(self.prefix_norm2(prefix))
         if target is not None:
-            target = target + gate1 * self.attn.proj(out_t.flatten(-2))
-            target = target + gate2 * self.mlp(_modulate(self.target_norm2(target), shift2, scale2))
+            branch = self.attn.proj(out_t.flatten(-2))
+            if not indexed:
+                target = target + gate1 * branch
+                target = target + gate2 * self.mlp(_modulate(self.target_norm2(target), shift2, scale2))
+            else:
+                target, hidden = fused.gated_residual_layer_norm_modulate(
+                    target, gate1, branch, shift2, scale2, target_row_ids, eps=self.target_norm2.eps,
+                    quantize=fused.wants_fp8_input(self.mlp.fc1, target),
+                )
+                target = fused.gated_residual(target, gate2, self.mlp(hidden), target_row_ids)
         return prefix, target
 
 
@@ -151,6 +183,8 @@ class TimestepEmbedding(nn.Module):
 
 
 class FinalLayer(nn.Module):
+    fused_ops = True  # flat layout: omni_models.fused.layer_norm_modulate (else the unfused torch sequence)
+
     def __init__(self, width: int, patch_dim: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width, eps=1e-6, elementwise_affine=False)
@@ -158,8 +192,12 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(width, patch_dim)
 
     def forward(self, target: Tensor, target_cond: Tensor, target_row_ids: Tensor | None = None) -> Tensor:
-        shift, scale = _per_token(self.modulation(F.silu(target_cond)), target_row_ids).chunk(2, dim=-1)
-        return self.linear(_modulate(self.norm(target), shift, scale))
+        modulation = self.modulation(F.silu(target_cond))
+        if target_row_ids is None or not self.fused_ops:
+            shift, scale = _per_token(modulation, target_row_ids).chunk(2, dim=-1)
+            return self.linear(_modulate(self.norm(target), shift, scale))
+        shift, scale = modulation.chunk(2, dim=-1)
+        return self.linear(fused.layer_norm_modulate(target, shift, scale, target_row_ids, eps=self.norm.eps))
 
 
 def sincos_2d(grid_height: int, grid_width: int, width: int, device: torch.device | str = "cpu") -> Tensor:
@@ -257,6 +295,12 @@ class CausalPrefixDiT(nn.Module):
         for layer in (self.final_layer.modulation, self.final_layer.linear):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
+
+    def set_fused_ops(self, enabled: bool) -> None:
+        """Use the fused token ops (default) or the unfused torch sequence in every block, norm and final layer."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, CausalPrefixBlock, FinalLayer)):
+                module.fused_ops = bool(enabled)
 
     # --- embeddings ---------------------------------------------------------------------------------------------
 

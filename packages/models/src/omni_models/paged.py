@@ -9,13 +9,16 @@ tables, and every layer writes and attends through ``PreparedBatch.attention``:
 - ``predict_velocities``: image tokens only (``BatchRow.target``); writes the rows' target K/V, then attends over
   prefix + target keys. The prefix is never recomputed;
 - ``predict_velocities(..., recompute_prefix=True)``: the no-reuse baseline: prefix and image tokens both run
-  through every block each step (what a model without prefix caching must do), same outputs.
+  through every block each step (what a model without prefix caching must do), same outputs;
+- ``predict_velocities(..., graphs=StepGraphs())``: the same forward, its device work captured as a CUDA graph on
+  the first step of a batch layout and replayed on the following ones (``omni_models.graphs``).
 ``denoise_step`` turns the velocities into one guided Euler step per job (``GenerationJob.advance``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ from diffusion_kv import (
 )
 from torch import Tensor
 
+from omni_models.graphs import StepGraphs
 from omni_models.model import QKV, CausalPrefixDiT, JointAttention, patchify, unpatchify
 from omni_models.runner import ScheduledJob
 
@@ -131,45 +135,92 @@ def write_prefix(model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJ
         scheduled.job.prefix_written = True
 
 
+@dataclass(frozen=True)
+class _StepPlan:
+    """What a denoise forward needs besides the step's latents and timesteps: it depends on the batch layout only."""
+
+    attend: _LayerAttention
+    prefix: Tensor | None  # prompt-token embeddings [prefix tokens, width] (recompute baseline only)
+    positions: Tensor      # the position-table row of every target token [target tokens, width]
+    row_ids: Tensor        # the request row of every target token [target tokens]
+
+
+def _plan(model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], recompute_prefix: bool) -> _StepPlan:
+    target_batch = prepare_batch(kv.rows, [
+        BatchRow.target(identity, row.prefix_len, row.target_len)
+        for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)
+    ])
+    positions, target_lens = [], []
+    for scheduled in batch:
+        job = scheduled.job
+        table = model.target_positions(job.request.height, job.request.width, kv.device)
+        for row in job.rows:
+            positions.append(table)
+            target_lens.append(row.target_len)
+    return _StepPlan(
+        attend=_LayerAttention(kv, _prefix_batch(kv, batch) if recompute_prefix else None, target_batch),
+        prefix=_prefix_inputs(model, batch, kv) if recompute_prefix else None,
+        positions=torch.cat(positions),
+        row_ids=torch.repeat_interleave(
+            torch.arange(len(target_lens), device=kv.device), torch.tensor(target_lens, device=kv.device)
+        ),
+    )
+
+
+def _velocity(model: CausalPrefixDiT, plan: _StepPlan, patches: Tensor, times: Tensor) -> Tensor:
+    """Float32 velocity ``[target tokens, patch_dim]`` of every row: the device work of a step, no host sync."""
+    target = model.embed_target(patches, plan.positions)
+    cond = model.timestep_condition(times).to(patches.dtype)
+    prefix = plan.prefix
+    for block in model.blocks:
+        prefix, target = block(prefix, target, cond, plan.attend, plan.row_ids)
+    return model.final_layer(target, cond, plan.row_ids).float()
+
+
+def _layout_key(kv: PagedKV, batch: Sequence[ScheduledJob], recompute_prefix: bool) -> Hashable:
+    """What a captured step depends on besides its inputs: the rows (and their lengths, sizes, prompts when
+    recomputed), the row table's state (its version moves whenever a row is installed or retired) and the pool."""
+    rows = tuple(
+        (identity, row.token_ids if recompute_prefix else row.prefix_len, row.target_len,
+         scheduled.job.request.height, scheduled.job.request.width)
+        for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)
+    )
+    return rows, recompute_prefix, id(kv.rows), kv.rows.version, kv.caches[0].data_ptr(), len(kv.caches)
+
+
 @torch.no_grad()
 def predict_velocities(
-    model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], *, recompute_prefix: bool = False
+    model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], *, recompute_prefix: bool = False,
+    graphs: StepGraphs | None = None,
 ) -> list[list[Tensor]]:
     """The model's velocity for every row of every job at the job's current step: ``[job][row]`` float32
     ``[C, H, W]``, all rows through one forward.
 
     With ``recompute_prefix`` the prompt tokens also run through every block and rewrite their K/V first (the
-    no-reuse baseline); it does not need ``write_prefix`` to have run.
+    no-reuse baseline); it does not need ``write_prefix`` to have run. With ``graphs`` (CUDA) the forward is
+    captured as a CUDA graph on the first step of a batch layout and replayed on later steps.
     """
     if recompute_prefix:
         for scheduled in batch:
             scheduled.job.prefix_written = True
     _check_jobs(batch, denoise=True)
-    target_batch = prepare_batch(kv.rows, [
-        BatchRow.target(identity, row.prefix_len, row.target_len)
-        for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)
-    ])
-    attend = _LayerAttention(kv, _prefix_batch(kv, batch) if recompute_prefix else None, target_batch)
-
-    patches, positions, row_times, target_lens = [], [], [], []
+    patches, row_times = [], []
     for scheduled in batch:
         job = scheduled.job
         job_patches = patchify(job.latents.unsqueeze(0), model.config.patch_size)[0]
-        table = model.target_positions(job.request.height, job.request.width, kv.device)
-        for row in job.rows:
+        for _ in job.rows:
             patches.append(job_patches)
-            positions.append(table)
             row_times.append(job.times[job.step_index])
-            target_lens.append(row.target_len)
-    target = model.embed_target(torch.cat(patches).to(kv.dtype), torch.cat(positions))
-    row_ids = torch.repeat_interleave(
-        torch.arange(len(target_lens), device=kv.device), torch.tensor(target_lens, device=kv.device)
-    )
-    cond = model.timestep_condition(torch.tensor(row_times, device=kv.device)).to(kv.dtype)
-    prefix = _prefix_inputs(model, batch, kv) if recompute_prefix else None
-    for block in model.blocks:
-        prefix, target = block(prefix, target, cond, attend, row_ids)
-    velocity = model.final_layer(target, cond, row_ids).float()
+    patches = torch.cat(patches).to(kv.dtype)
+    times = torch.tensor(row_times, device=kv.device)
+    if graphs is not None and kv.device.type == "cuda":
+        velocity = graphs.run(
+            _layout_key(kv, batch, recompute_prefix),
+            lambda: _plan(model, kv, batch, recompute_prefix),
+            functools.partial(_velocity, model), patches, times,
+        )
+    else:
+        velocity = _velocity(model, _plan(model, kv, batch, recompute_prefix), patches, times)
 
     config = model.config
     per_job, offset = [], 0
@@ -185,9 +236,10 @@ def predict_velocities(
 
 
 def denoise_step(
-    model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], *, recompute_prefix: bool = False
+    model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], *, recompute_prefix: bool = False,
+    graphs: StepGraphs | None = None,
 ) -> None:
     """One guided Euler step for every job of the batch (all rows in one forward); advances ``job.step_index``."""
-    velocities = predict_velocities(model, kv, batch, recompute_prefix=recompute_prefix)
+    velocities = predict_velocities(model, kv, batch, recompute_prefix=recompute_prefix, graphs=graphs)
     for scheduled, row_velocities in zip(batch, velocities):
         scheduled.job.advance(row_velocities)

@@ -3,7 +3,9 @@
 ``__call__`` is built on the stepwise API (``prepare`` -> ``run_prefix`` -> ``run_denoise_step``* ->
 ``decode``) over a private KV pool sized for the call, so an engine's pool bound through
 ``allocate_kv_caches`` is never touched by it. With ``attention_backend="dense"`` it uses the dense reference
-sampler instead (same images within floating-point noise).
+sampler instead (same images within floating-point noise). With ``cuda_graphs=True`` (CUDA, paged) each batch
+layout's denoise forward is captured once and replayed on later steps (``omni_models.graphs``); a pipeline with
+layerwise offload must keep it off.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from omni_models.checkpoint import load_config, load_weights
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
+from omni_models.graphs import StepGraphs
 from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
 from omni_models.integrations import declare_kv_cache
 from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED
@@ -73,9 +76,12 @@ class Pipeline:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: AttentionBackend = "paged",
+        cuda_graphs: bool = False,
     ) -> None:
         if attention_backend not in ("paged", "dense"):
             raise ValueError(f"attention_backend must be 'paged' or 'dense', got {attention_backend!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = device
@@ -92,6 +98,9 @@ class Pipeline:
             vocabulary=tokenizer.vocabulary[2:],
         )
         declare_kv_cache(model, dtype)
+        self.cuda_graphs = cuda_graphs
+        # Graphs of steps over the bound pool (run_denoise_step); __call__ keeps its own per call.
+        self.step_graphs: StepGraphs | None = StepGraphs() if cuda_graphs else None
         self._kv_layers = tuple(discover_kv_cache_specs(model).values())  # block order: layer_index order
         self.kv_caches: list[torch.Tensor] = []
         self._paged_kv: paged.PagedKV | None = None  # the bound caches plus the engine's row table
@@ -192,6 +201,7 @@ class Pipeline:
         """
         self.kv_caches = self._new_caches(num_blocks, block_size)
         self._paged_kv = None
+        self._forget_graphs()
         return self.kv_caches
 
     def _new_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
@@ -201,12 +211,14 @@ class Pipeline:
         """Read the rows of ``run_prefix``/``run_denoise_step`` batches from ``table`` (the engine installs and
         retires them there); it must address the bound caches: same block size and device, no more blocks."""
         self._paged_kv = paged.PagedKV(self._kv_layers, tuple(self.kv_caches), table)
+        self._forget_graphs()
 
     def allocate_kv_caches_for(self, jobs: Sequence[GenerationJob], block_size: int) -> list[ScheduledJob]:
         """Allocate and bind a pool holding exactly ``jobs``' rows, with its own row table, and return the jobs
         scheduled on it (for a forward outside an engine's pool, e.g. memory profiling)."""
         kv, batch = self._private_pool(jobs, block_size)
         self.kv_caches, self._paged_kv = list(kv.caches), kv
+        self._forget_graphs()
         return batch
 
     def _private_pool(self, jobs: Sequence[GenerationJob], block_size: int) -> tuple[paged.PagedKV, list[ScheduledJob]]:
@@ -229,6 +241,11 @@ class Pipeline:
         batch = [ScheduledJob(job, tuple(next(identities) for _ in job.rows)) for job in jobs]
         return paged.PagedKV(self._kv_layers, tuple(self._new_caches(next_block, block_size)), table), batch
 
+    def _forget_graphs(self) -> None:
+        """Captured steps read the previously bound pool: drop them (and the memory they hold)."""
+        if self.step_graphs is not None:
+            self.step_graphs.clear()
+
     def _bound_kv(self) -> paged.PagedKV:
         if self._paged_kv is None:
             raise ValueError(
@@ -246,7 +263,8 @@ class Pipeline:
         ``recompute_prefix`` runs the prompt tokens through every block again instead (the no-reuse baseline of
         the benchmarks: same images, more work).
         """
-        paged.denoise_step(self.model, self._bound_kv(), batch, recompute_prefix=recompute_prefix)
+        paged.denoise_step(self.model, self._bound_kv(), batch, recompute_prefix=recompute_prefix,
+                           graphs=self.step_graphs)
 
     def decode(self, job: GenerationJob) -> Image.Image:
         if not job.finished:
@@ -298,8 +316,9 @@ class Pipeline:
     def _generate_paged(self, jobs: list[GenerationJob], callback) -> list[Image.Image]:
         kv, batch = self._private_pool(jobs, CALL_BLOCK_SIZE)
         paged.write_prefix(self.model, kv, batch)
+        graphs = StepGraphs(max_graphs=1) if self.cuda_graphs else None
         for step in range(jobs[0].num_steps):
-            paged.denoise_step(self.model, kv, batch)
+            paged.denoise_step(self.model, kv, batch, graphs=graphs)
             if callback is not None:
                 callback(self, step, jobs[0].times[step], {"latents": torch.stack([job.latents for job in jobs])})
         return [self.decode(job) for job in jobs]
@@ -326,6 +345,7 @@ def load(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attention_backend: AttentionBackend | None = None,
+    cuda_graphs: bool = False,
     allow_download: bool = False,
     quantization: Literal["fp8"] | None = None,
     fp8_cache_dir: str | Path | None = None,
@@ -340,7 +360,9 @@ def load(
     (``model_index.json``) of a supported family gives a ``FamilyPipeline`` (see ``omni_models.families``; it needs
     the ``diffusers`` extra). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
 
-    ``attention_backend`` ("paged", the default, or "dense") applies to omni models only. ``quantization``,
+    ``attention_backend`` ("paged", the default, or "dense") and ``cuda_graphs`` (replay each batch layout's
+    denoise forward as a CUDA graph after its first step; CUDA only, not with layerwise offload) apply to omni
+    models only. ``quantization``,
     ``fp8_cache_dir``, ``layerwise_offload``, ``offload_resident_blocks`` and ``max_sequence_length`` apply to the
     families (``omni_models.diffusers_adapter.load_family_pipeline``); for omni models, the server's loader applies
     FP8 and offload. A bad checkpoint raises ``CheckpointError`` before anything is placed on ``device``.
@@ -353,9 +375,9 @@ def load(
                       "layerwise_offload": layerwise_offload, "offload_resident_blocks": offload_resident_blocks,
                       "max_sequence_length": max_sequence_length}
     if is_diffusers_checkpoint(directory):
-        if attention_backend is not None:
-            raise ValueError("attention_backend applies to omni models; the diffusers families use omni's dense "
-                             "attention (omni_models.attention)")
+        if attention_backend is not None or cuda_graphs:
+            raise ValueError("attention_backend and cuda_graphs apply to omni models; the diffusers families use "
+                             "omni's dense attention (omni_models.attention) and compile_transformer()")
         from omni_models.diffusers_adapter import load_family_pipeline
 
         return load_family_pipeline(directory, name=name_or_path, device=device, dtype=dtype, **family_options)
@@ -378,7 +400,7 @@ def load(
     model.load_state_dict(state, assign=True)
     model.to(device=device, dtype=dtype)
     return Pipeline(model, Tokenizer(vocabulary, max_tokens=config.max_prompt_tokens), device=device, dtype=dtype,
-                    attention_backend=attention_backend or "paged")
+                    attention_backend=attention_backend or "paged", cuda_graphs=cuda_graphs)
 
 
 def build_model(config: DiTConfig) -> CausalPrefixDiT:

@@ -11,6 +11,10 @@ key lengths, query positions, causal prefix lengths and slot mapping, built once
 Dispatch: `backend="auto"` runs the Triton kernels on CUDA tensors and the torch reference
 path elsewhere; `"torch"` and `"triton"` force one (`"triton"` on CPU tensors needs
 `TRITON_INTERPRET=1` set before `diffusion_kv.ops.triton_kernels` is first imported).
+Attention has two Triton kernels: `triton_flash` (TMA tile loads, Hopper and later, fp16/bf16,
+head size 64 or 128, pages a multiple of 64 tokens, a contiguous cache) wherever
+`triton_flash.supported` accepts the call, and the generic `triton_kernels` everywhere else.
+Optional FP8 attention (e4m3 Q/K/V with per-head scales) lives in `diffusion_kv.ops.fp8_attention`.
 Validation: see `diffusion_kv.ops.checks`.
 """
 
@@ -97,8 +101,10 @@ def paged_attention(
     if query.shape[0] == 0:
         return out
     if _use_triton(backend, query.device.type):
-        from diffusion_kv.ops import triton_kernels
+        from diffusion_kv.ops import triton_flash, triton_kernels
 
+        if triton_flash.supported(query, kv_cache) is None:
+            return triton_flash.paged_attention(query, kv_cache, metadata, scale, out)
         return triton_kernels.paged_attention(query, kv_cache, metadata, scale, out)
     return reference.paged_attention(query, kv_cache, metadata, scale, out)
 
