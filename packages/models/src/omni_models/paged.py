@@ -37,6 +37,13 @@ from omni_models.model import QKV, CausalPrefixDiT, JointAttention, patchify, un
 from omni_models.runner import ScheduledJob
 
 
+def _resolved(device: torch.device) -> torch.device:
+    """``cuda`` names the current CUDA device; tensors report it with its index (``cuda:0``)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass(frozen=True)
 class PagedKV:
     """A KV pool as the paged forwards use it: every attention layer's spec and cache tensor (in block order,
@@ -65,7 +72,7 @@ class PagedKV:
                     f"the row table addresses {self.rows.num_blocks} blocks of {self.rows.block_size} tokens, but "
                     f"the cache of {spec.layer_name!r} holds {num_blocks} blocks of {block_size}"
                 )
-            if cache.device != self.rows.device:
+            if cache.device != _resolved(self.rows.device):
                 raise ValueError(f"the row table is on {self.rows.device} but the KV caches are on {cache.device}")
 
     @property
