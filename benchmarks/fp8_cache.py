@@ -56,7 +56,7 @@ from fp8_cache import (  # noqa: E402
     quantize_state_dict,
 )
 from fp8_cache.quant import per_tensor_scale, quantize_with_scale  # noqa: E402
-from fp8_cache.build import read_source_headers, resolve_source_files, select_quantized  # noqa: E402
+from fp8_cache.build import read_source_specs, resolve_source_files, select_quantized  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -128,8 +128,7 @@ def bench_load(args, device: torch.device, workdir: Path) -> dict:
     build = build_fp8_cache(src, cache, device=device)
     build_s = time.perf_counter() - t0
     files = resolve_source_files(src)
-    _, entries = read_source_headers(files)
-    quantized = select_quantized(entries)
+    quantized = select_quantized(read_source_specs(files))
 
     def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         return a.keys() == b.keys() and all(
@@ -161,7 +160,7 @@ def bench_load(args, device: torch.device, workdir: Path) -> dict:
         regime["speedup_vs_online_ordinary"] = regime["online_ordinary"]["median_s"] / warm_s
         regime["speedup_vs_online_fast"] = regime["online_fast"]["median_s"] / warm_s
     return {
-        "params": params, "source_bytes": source_bytes, "cache_bytes": build.manifest["total_size"],
+        "params": params, "source_bytes": source_bytes, "cache_bytes": build.manifest.total_size,
         "quantized_tensors": len(quantized), "generate_s": gen_s, "cold_build_s": build_s,
         "bit_identical": identical, "bit_identical_vs_ordinary_reader": identical_ordinary, **results,
     }

@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,6 +19,7 @@ from fp8_cache import (
     CACHE_KIND,
     CACHE_MANIFEST_NAME,
     FP8_DTYPE,
+    QUANTIZATION_CONTRACT,
     build_fp8_cache,
     check_artifact,
     load_fp8_cache_manifest,
@@ -45,6 +47,11 @@ def built(component: Path, tmp_path: Path):
     return cache, result.manifest
 
 
+def _editable(manifest) -> dict:
+    """The manifest as plain JSON data, to edit and write back with ``_rewrite_manifest``."""
+    return msgspec.to_builtins(manifest)
+
+
 def _rewrite_manifest(cache: Path, manifest: dict) -> None:
     """Rewrite the manifest *with* a matching COMPLETE marker, so only the edited field can cause a miss."""
     data = dump_json(manifest)
@@ -62,7 +69,7 @@ def _shards(cache: Path) -> list[Path]:
 def test_valid_cache_returns_manifest_and_source_change_makes_it_stale(built, component):
     cache, manifest = built
     assert load_fp8_cache_manifest(cache) == manifest
-    assert manifest["cache_kind"] == CACHE_KIND and manifest["quantized_tensors"] == QUANTIZED
+    assert manifest.cache_kind == CACHE_KIND and list(manifest.quantized_tensors) == QUANTIZED
     source = sorted(component.glob("*.safetensors"))[0]
     source.write_bytes(source.read_bytes() + b"changed")
     assert load_fp8_cache_manifest(cache) is None
@@ -71,12 +78,20 @@ def test_valid_cache_returns_manifest_and_source_change_makes_it_stale(built, co
 
 def test_wrong_serialization_contract_is_a_miss(built):
     cache, manifest = built
+    manifest = _editable(manifest)
     manifest["quantization"] = {**manifest["quantization"], "weight_layout": "in_out"}
     _rewrite_manifest(cache, manifest)
     assert load_fp8_cache_manifest(cache) is None
+    assert "quantization contract" in check_artifact(cache)[1]
     manifest["quantization"] = {**manifest["quantization"], "weight_layout": "out_in", "extra": 1}
     _rewrite_manifest(cache, manifest)
-    assert "quantization contract" in check_artifact(cache)[1]
+    assert "unknown field `extra` - at `$.quantization`" in check_artifact(cache)[1]
+
+
+def test_the_quantization_contract_is_immutable():
+    with pytest.raises(AttributeError):
+        QUANTIZATION_CONTRACT.weight_layout = "in_out"  # type: ignore[misc]
+    assert msgspec.to_builtins(QUANTIZATION_CONTRACT)["weight_layout"] == "out_in"
 
 
 @pytest.mark.parametrize("escape", ["../outside.safetensors", "/etc/passwd.safetensors", "sub/x.safetensors", ".."])
@@ -93,23 +108,24 @@ def test_shard_names_that_escape_the_directory_are_rejected(built, escape):
     # Even when the manifest is edited consistently, the escaping shard name itself is refused.
     index["weight_map"] = {n: (escape if f == old else f) for n, f in index["weight_map"].items()}
     index_path.write_text(json.dumps(index))
+    manifest = _editable(manifest)
     manifest["shards"][escape] = manifest["shards"].pop(old)
     _rewrite_manifest(cache, manifest)
     manifest_out, reason = check_artifact(cache)
-    assert manifest_out is None and ("escapes" in reason or "missing" in reason)
+    assert manifest_out is None and "does not match its schema" in reason and "`$.shards`" in reason
 
 
 def test_non_object_manifest_is_a_miss(built):
     cache, _ = built
     _rewrite_manifest(cache, [])  # type: ignore[arg-type]
     assert load_fp8_cache_manifest(cache) is None
-    assert "not a JSON object" in check_artifact(cache)[1]
+    assert "Expected `object`, got `array`" in check_artifact(cache)[1]
 
 
 def test_build_serializes_fp8_weight_out_in_and_float32_scale(component, tmp_path):
     cache = tmp_path / "cache"
     manifest = build_fp8_cache(component, cache, ignore=["embed"]).manifest
-    assert manifest["cache_kind"] == CACHE_KIND
+    assert manifest.cache_kind == CACHE_KIND
     stored = {}
     for shard in _shards(cache):
         stored.update(load_file(str(shard)))
@@ -158,7 +174,7 @@ def test_changed_ignore_patterns_are_a_miss_and_the_artifact_is_replaced(built, 
     cache, _ = built
     result = load_fp8_weights(component, cache, device="cpu", ignore=["embed", "blocks.1.*"])
     assert not result.hit and "ignore patterns changed" in result.reason and result.published
-    assert "blocks.1.mlp.fc1.weight" not in load_fp8_cache_manifest(cache)["quantized_tensors"]
+    assert "blocks.1.mlp.fc1.weight" not in load_fp8_cache_manifest(cache).quantized_tensors
     assert result.tensors["blocks.1.mlp.fc1.weight"].dtype == torch.bfloat16
 
 
@@ -180,7 +196,7 @@ def test_stale_artifact_is_replaced_atomically_by_the_next_build(built, componen
     assert load_fp8_cache_manifest(cache) is None
     result = build_fp8_cache(component, cache, ignore=["embed"])
     assert result.action == "published"
-    assert result.manifest["source_fingerprint"] != old_manifest["source_fingerprint"]
+    assert result.manifest.source_fingerprint != old_manifest.source_fingerprint
     assert load_fp8_cache_manifest(cache) == result.manifest
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache.lock", "cache", "source"]
 
@@ -288,6 +304,7 @@ def test_quantized_tensor_stored_in_the_wrong_dtype_is_a_miss(built):
     tensors = load_file(str(shard))
     tensors[name] = tensors[name].float().bfloat16()
     save_file(tensors, str(shard))
+    manifest = _editable(manifest)
     manifest["shards"][shard.name]["size"] = shard.stat().st_size
     _rewrite_manifest(cache, manifest)
     manifest_out, reason = check_artifact(cache)

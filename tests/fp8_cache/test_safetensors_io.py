@@ -14,10 +14,12 @@ from safetensors.torch import save_file
 from fp8_cache.safetensors_io import (
     SafetensorsFormatError,
     _pread_exact,
+    _release_cached_pinned_memory,
     _StagedCudaReader,
     host_bytes,
     load_tensors,
     read_header,
+    read_tensor_specs,
 )
 
 
@@ -46,6 +48,20 @@ def test_cpu_load_returns_exact_tensors_as_mmap_views(tmp_path):
     loaded = load_tensors([path], "cpu")
     assert loaded.keys() == expected.keys()
     assert all(_equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_safetensors_own_header_reader_gives_names_dtypes_and_shapes(tmp_path):
+    path = tmp_path / "m.safetensors"
+    expected = _mixed_file(path)
+    specs = {spec.name: spec for spec in read_tensor_specs(path)}
+    assert specs.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert (specs[name].dtype, specs[name].shape) == (tensor.dtype, tuple(tensor.shape))
+        assert specs[name].nbytes == tensor.numel() * tensor.element_size()
+    assert {e.name: e.nbytes for e in read_header(path)} == {n: s.nbytes for n, s in specs.items()}
+    path.write_bytes(_raw(b"{not json"))
+    with pytest.raises(SafetensorsFormatError, match="m.safetensors"):
+        read_tensor_specs(path)
 
 
 def test_chunk_plan_covers_every_byte_exactly_once(tmp_path):
@@ -100,6 +116,17 @@ def test_malformed_files_raise_a_clear_format_error(tmp_path, content, message):
     with pytest.raises(SafetensorsFormatError, match=message):
         read_header(path)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned staging path exists only for CUDA loads")
+def test_a_cuda_load_leaves_no_staging_memory_pinned(tmp_path):
+    path = tmp_path / "m.safetensors"
+    expected = _mixed_file(path)
+    _release_cached_pinned_memory()  # count only pinned memory in use from here
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    loaded = load_tensors([path], "cuda")
+    assert all(_equal(loaded[k].cpu(), expected[k]) for k in expected)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
 
 
 def test_pread_into_a_tensor_buffer_reads_the_exact_range(tmp_path):

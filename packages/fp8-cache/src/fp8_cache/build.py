@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from safetensors.torch import save_file
@@ -40,7 +40,11 @@ from fp8_cache.artifact import (
     CACHE_SCHEMA_VERSION,
     DEFAULT_COMPONENT,
     QUANTIZATION_CONTRACT,
+    CacheManifest,
     Expectation,
+    IndexMetadata,
+    ShardIndex,
+    ShardRecord,
     check_artifact,
     complete_marker,
     dump_json,
@@ -49,9 +53,9 @@ from fp8_cache.artifact import (
     shard_name,
     source_fingerprint,
 )
-from fp8_cache.linear import SCALED_MM_ALIGNMENT
+from fp8_cache.linear import ineligible_weight_reason
 from fp8_cache.quant import per_tensor_scale, quantize_with_scale, require_finite_scales
-from fp8_cache.safetensors_io import TensorEntry, load_tensors, read_header
+from fp8_cache.safetensors_io import TensorSpec, load_tensors, read_tensor_specs
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ class BuildResult:
     """``action``: ``already_valid`` (nothing written), ``published`` (this call wrote it) or ``adopted``
     (another process published a valid artifact first)."""
 
-    manifest: dict[str, Any]
+    manifest: CacheManifest
     action: Literal["already_valid", "published", "adopted"]
     cache_dir: Path
 
@@ -90,38 +94,29 @@ def resolve_source_files(sources: SourceSpec) -> list[str]:
     return sorted(files)
 
 
-def read_source_headers(files: Sequence[str]) -> tuple[dict[str, list[TensorEntry]], dict[str, TensorEntry]]:
-    """Headers per file and one name -> entry map; a name in two files is an error."""
-    headers = {f: read_header(f) for f in files}
-    entries: dict[str, TensorEntry] = {}
+def read_source_specs(files: Sequence[str]) -> dict[str, TensorSpec]:
+    """Every source tensor's name, dtype and shape (safetensors' own header reader); a name in two files is an
+    error."""
+    entries: dict[str, TensorSpec] = {}
     where: dict[str, str] = {}
-    for f, file_entries in headers.items():
-        for entry in file_entries:
-            if entry.name in entries:
-                raise ValueError(f"tensor {entry.name!r} appears in both {where[entry.name]} and {f}")
-            entries[entry.name], where[entry.name] = entry, f
-    return headers, entries
-
-
-def _quantizable_reason(entry: TensorEntry) -> str | None:
-    if len(entry.shape) != 2:
-        return f"is {len(entry.shape)}-D, FP8 linears need a 2-D weight"
-    if not entry.dtype.is_floating_point or entry.dtype.itemsize == 1:
-        return f"has dtype {entry.dtype}, expected a high-precision floating weight"
-    if entry.shape[0] % SCALED_MM_ALIGNMENT or entry.shape[1] % SCALED_MM_ALIGNMENT:
-        return f"shape {entry.shape} is not a multiple of {SCALED_MM_ALIGNMENT} in both dims"
-    return None
+    for f in files:
+        for spec in read_tensor_specs(f):
+            if spec.name in entries:
+                raise ValueError(f"tensor {spec.name!r} appears in both {where[spec.name]} and {f}")
+            entries[spec.name], where[spec.name] = spec, f
+    return entries
 
 
 def select_quantized(
-    entries: Mapping[str, TensorEntry], *, quantize: Collection[str] | None = None, ignore: Sequence[str] = ()
+    entries: Mapping[str, TensorSpec], *, quantize: Collection[str] | None = None, ignore: Sequence[str] = ()
 ) -> list[str]:
     """Names of the tensors to store as FP8.
 
     With ``quantize`` (e.g. ``QuantizationReport.quantized_weight_names``) exactly those, each checked. Without
-    it, every 2-D floating ``*.weight`` with both dims multiples of 16 whose module name (the name without
-    ``.weight``) matches no ``ignore`` pattern, which is the rule ``quantize_model`` applies to ``nn.Linear``
-    layers. Tensors that are not linear weights (e.g. embedding tables) must then be excluded via ``ignore``.
+    it, every ``*.weight`` that :func:`fp8_cache.linear.ineligible_weight_reason` accepts and whose module name
+    (the name without ``.weight``) matches no ``ignore`` pattern: the rule ``quantize_model`` applies to
+    ``nn.Linear`` layers. Tensors that are not linear weights (e.g. embedding tables) must then be excluded via
+    ``ignore``.
     """
     if isinstance(ignore, str):
         raise TypeError("ignore must be a sequence of fnmatch patterns, not a single string; wrap it in a list")
@@ -132,8 +127,8 @@ def select_quantized(
         for name in chosen:
             if name not in entries:
                 raise ValueError(f"cannot quantize {name!r}: no such tensor in the source files")
-            if (reason := _quantizable_reason(entries[name])) is not None:
-                raise ValueError(f"cannot quantize {name!r}: it {reason}")
+            if (reason := ineligible_weight_reason(entries[name].shape, entries[name].dtype)) is not None:
+                raise ValueError(f"cannot quantize {name!r}: {reason}")
             if scale_name(name) in entries:
                 raise ValueError(f"cannot quantize {name!r}: the source already has a tensor {scale_name(name)!r}")
         return chosen
@@ -142,7 +137,7 @@ def select_quantized(
         module = name.removesuffix(".weight")
         if (
             name.endswith(".weight")
-            and _quantizable_reason(entry) is None
+            and ineligible_weight_reason(entry.shape, entry.dtype) is None
             and scale_name(name) not in entries
             and not any(fnmatch.fnmatchcase(module, p) for p in ignore)
         ):
@@ -183,8 +178,7 @@ def build_fp8_cache(
     Idempotent: a valid, current artifact is returned untouched. One source file is resident at a time.
     """
     files = resolve_source_files(sources)
-    headers, entries = read_source_headers(files)
-    quantized = select_quantized(entries, quantize=quantize, ignore=ignore)
+    quantized = select_quantized(read_source_specs(files), quantize=quantize, ignore=ignore)
     expect = Expectation(component=component, source_files=files, quantized=quantized)
     manifest, _ = check_artifact(cache_dir, expect)
     if manifest is not None:
@@ -192,7 +186,7 @@ def build_fp8_cache(
 
     def runtime_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
-            loaded = load_tensors([f], device, headers={f: headers[f]})
+            loaded = load_tensors([f], device)
             yield from quantize_state_dict(loaded, [n for n in quantized if n in loaded]).items()
             del loaded
 
@@ -241,7 +235,7 @@ def publish_artifact(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     if action == "published":
-        logger.info("published FP8 cache at %s (%d tensors)", root, manifest["tensor_count"])
+        logger.info("published FP8 cache at %s (%d tensors)", root, manifest.tensor_count)
     return BuildResult(manifest, action, root)
 
 
@@ -302,11 +296,11 @@ def _write_tree(
     quantized: list[str],
     source_files: list[str],
     max_shard_bytes: int,
-) -> dict[str, Any]:
+) -> CacheManifest:
     component_dir = tmp / component
     component_dir.mkdir(parents=True)
     weight_map: dict[str, str] = {}
-    shards: dict[str, dict[str, Any]] = {}
+    shards: dict[str, ShardRecord] = {}
     batch: dict[str, torch.Tensor] = {}
     batch_bytes = 0
     total_size = 0
@@ -316,7 +310,7 @@ def _write_tree(
         path = component_dir / name
         save_file(batch, str(path), metadata={"format": "pt"})
         _fsync_path(path)
-        shards[name] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        shards[name] = ShardRecord(size=path.stat().st_size, sha256=file_sha256(path))
         weight_map.update(dict.fromkeys(batch, name))
         batch.clear()
 
@@ -339,22 +333,22 @@ def _write_tree(
         if name not in weight_map or scale_name(name) not in weight_map:
             raise ValueError(f"quantized tensor {name!r} or its scale {scale_name(name)!r} was not written")
 
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    index = ShardIndex(metadata=IndexMetadata(total_size=total_size), weight_map=dict(sorted(weight_map.items())))
     _write_file(component_dir / CACHE_INDEX_NAME, dump_json(index))
     _fsync_path(component_dir)
-    manifest = {
-        "schema_version": CACHE_SCHEMA_VERSION,
-        "cache_kind": CACHE_KIND,
-        "component": component,
-        "quantization": QUANTIZATION_CONTRACT,
-        "quantized_tensors": quantized,
-        "tensor_count": len(weight_map),
-        "total_size": total_size,
-        "source_files": source_files,
-        "source_fingerprint": source_fingerprint(source_files),
-        "shards": shards,
-        "created_by": {"fp8_cache": __version__, "torch": torch.__version__},
-    }
+    manifest = CacheManifest(
+        schema_version=CACHE_SCHEMA_VERSION,
+        cache_kind=CACHE_KIND,
+        component=component,
+        quantization=QUANTIZATION_CONTRACT,
+        quantized_tensors=tuple(quantized),
+        tensor_count=len(weight_map),
+        total_size=total_size,
+        source_files=tuple(source_files),
+        source_fingerprint=source_fingerprint(source_files),
+        shards=shards,
+        created_by={"fp8_cache": __version__, "torch": str(torch.__version__)},
+    )
     manifest_bytes = dump_json(manifest)
     _write_file(tmp / CACHE_MANIFEST_NAME, manifest_bytes)
     _write_file(tmp / CACHE_COMPLETE_NAME, complete_marker(manifest_bytes).encode())
@@ -382,8 +376,8 @@ def _is_replaceable_artifact(root: Path) -> bool:
 
 
 def _move_into_place(
-    tmp: Path, root: Path, manifest: dict[str, Any], expect: Expectation
-) -> tuple[Literal["published", "adopted"], dict[str, Any]]:
+    tmp: Path, root: Path, manifest: CacheManifest, expect: Expectation
+) -> tuple[Literal["published", "adopted"], CacheManifest]:
     try:
         os.rename(tmp, root)  # atomic; also succeeds onto an empty directory
     except OSError as exc:

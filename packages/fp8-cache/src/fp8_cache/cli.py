@@ -6,12 +6,13 @@ Exit codes: 0 success; 1 the artifact is missing/invalid (inspect, verify) or th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Sequence
 
-from fp8_cache.artifact import DEFAULT_COMPONENT, check_artifact, verify_artifact
+import msgspec
+
+from fp8_cache.artifact import DEFAULT_COMPONENT, check_artifact, dump_json, verify_artifact
 from fp8_cache.build import DEFAULT_MAX_SHARD_BYTES, build_fp8_cache
 
 EXIT_OK = 0
@@ -51,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fp8-cache build failed: {exc}", file=sys.stderr)
             return EXIT_INVALID
         manifest = result.manifest
-        print(f"{result.action}: {result.cache_dir} ({manifest['tensor_count']} tensors, "
-              f"{len(manifest['quantized_tensors'])} FP8, {manifest['total_size']} bytes)")
+        print(f"{result.action}: {result.cache_dir} ({manifest.tensor_count} tensors, "
+              f"{len(manifest.quantized_tensors)} FP8, {manifest.total_size} bytes)")
         return EXIT_OK
     if args.command == "inspect":
         manifest, reason = check_artifact(args.dst)
@@ -62,12 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"invalid FP8 cache at {args.dst}: {reason}", file=sys.stderr)
         return EXIT_INVALID
     if args.command == "inspect":
-        summary = {k: v for k, v in manifest.items() if k not in ("shards", "quantized_tensors")}
-        summary["shards"] = len(manifest["shards"])
-        summary["quantized_tensor_count"] = len(manifest["quantized_tensors"])
-        print(json.dumps(summary, indent=2, sort_keys=True))
+        summary = msgspec.structs.asdict(manifest)
+        summary["shards"] = len(manifest.shards)
+        summary["quantized_tensor_count"] = len(summary.pop("quantized_tensors"))
+        print(dump_json(summary).decode(), end="")
     else:
-        print(f"ok: {args.dst} ({manifest['tensor_count']} tensors, {len(manifest['shards'])} shards verified)")
+        print(f"ok: {args.dst} ({manifest.tensor_count} tensors, {len(manifest.shards)} shards verified)")
     return EXIT_OK
 
 

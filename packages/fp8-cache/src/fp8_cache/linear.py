@@ -148,12 +148,26 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_with_scale(x, scale), scale
 
 
-def unsupported_shape_reason(in_features: int, out_features: int) -> str | None:
-    """Why a weight of this shape cannot run through the FP8 GEMM, or None if it can."""
+def _gemm_shape_reason(in_features: int, out_features: int) -> str | None:
     for label, size in (("in_features", in_features), ("out_features", out_features)):
         if size % SCALED_MM_ALIGNMENT:
             return f"{label}={size} is not a multiple of {SCALED_MM_ALIGNMENT} (torch._scaled_mm requirement)"
     return None
+
+
+def ineligible_weight_reason(shape: Sequence[int], dtype: torch.dtype) -> str | None:
+    """Why a weight of this shape and dtype cannot become an FP8 linear weight, or None if it can.
+
+    The one eligibility rule of this library (``quantize_model``, ``fp8_weight_names`` and the cache's
+    ``select_quantized`` all apply it): a 2-D ``[out_features, in_features]`` weight in a high-precision floating
+    dtype whose both dims are multiples of 16.
+    """
+    if len(shape) != 2:
+        return f"weight is {len(shape)}-D; FP8 linears need a 2-D weight"
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        return f"weight dtype {dtype} is not a high-precision floating type"
+    out_features, in_features = shape
+    return _gemm_shape_reason(in_features, out_features)
 
 
 class FP8Linear(nn.Module):
@@ -183,7 +197,7 @@ class FP8Linear(nn.Module):
         logical_widths: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        reason = unsupported_shape_reason(in_features, out_features)
+        reason = _gemm_shape_reason(in_features, out_features)
         if reason is not None:
             raise ValueError(f"FP8Linear cannot hold this weight: {reason}; keep this layer as nn.Linear")
         if logical_widths is not None and sum(logical_widths) != out_features:
@@ -331,12 +345,10 @@ def _select_linears(model: nn.Module, ignore: Sequence[str]) -> tuple[list[tuple
         pattern = _ignored(name, ignore)
         if pattern is not None:
             skipped[name] = f"matches ignore pattern {pattern!r}"
-        elif (reason := unsupported_shape_reason(module.in_features, module.out_features)) is not None:
+        elif (reason := ineligible_weight_reason(module.weight.shape, module.weight.dtype)) is not None:
             skipped[name] = reason
         elif module.weight.device.type == "meta":
             skipped[name] = "weight is on the meta device; load weights before quantizing"
-        elif not module.weight.is_floating_point():
-            skipped[name] = f"weight dtype {module.weight.dtype} is not floating point"
         else:
             candidates.append((name, module))
     return candidates, skipped

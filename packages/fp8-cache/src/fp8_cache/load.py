@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from fp8_cache.artifact import DEFAULT_COMPONENT, Expectation, check_artifact
+from fp8_cache.artifact import DEFAULT_COMPONENT, CacheManifest, Expectation, check_artifact
 from fp8_cache.build import (
     SourceSpec,
     publish_artifact,
     quantize_state_dict,
-    read_source_headers,
+    read_source_specs,
     resolve_source_files,
     select_quantized,
 )
@@ -44,10 +44,12 @@ class LoadResult:
     published: bool | None = None
 
 
-def load_cached_tensors(cache_dir: str | os.PathLike[str], manifest: dict, device: torch.device | str) -> dict[str, torch.Tensor]:
+def load_cached_tensors(
+    cache_dir: str | os.PathLike[str], manifest: CacheManifest, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """All tensors of a validated artifact on ``device`` (mmap views on CPU, pinned staging on CUDA)."""
-    component_dir = Path(cache_dir) / manifest["component"]
-    return load_tensors([component_dir / name for name in sorted(manifest["shards"])], device)
+    component_dir = Path(cache_dir) / manifest.component
+    return load_tensors([component_dir / name for name in sorted(manifest.shards)], device)
 
 
 def load_fp8_weights(
@@ -67,8 +69,7 @@ def load_fp8_weights(
     of the cache key, so changing them is a miss. ``cache_dir=None`` always quantizes online.
     """
     files = resolve_source_files(sources)
-    headers, entries = read_source_headers(files)
-    quantized = select_quantized(entries, quantize=quantize, ignore=ignore)
+    quantized = select_quantized(read_source_specs(files), quantize=quantize, ignore=ignore)
     manifest, reason = check_artifact(cache_dir, Expectation(component=component, source_files=files, quantized=quantized))
     if manifest is not None:
         try:
@@ -76,7 +77,7 @@ def load_fp8_weights(
         except (OSError, SafetensorsFormatError) as exc:  # changed under us after validation
             reason = f"artifact became unreadable while loading: {exc}"
     logger.info("FP8 cache miss at %s: %s; quantizing online on %s", cache_dir, reason, device)
-    tensors = quantize_state_dict(load_tensors(files, device, headers=headers), quantized)
+    tensors = quantize_state_dict(load_tensors(files, device), quantized)
     result = LoadResult(tensors, False, reason, quantized)
     if publish and cache_dir is not None:
         try:

@@ -1,12 +1,14 @@
 """Fast reads of safetensors files into device memory.
 
-The header is parsed here (8-byte little-endian length + JSON) so that tensor bytes can be moved without
-safetensors' per-tensor host copies:
+Names, dtypes and shapes come from safetensors' own header reader (:func:`read_tensor_specs`). Moving the bytes
+needs each tensor's file offsets, which safetensors does not expose, so :func:`read_header` parses the header
+(8-byte little-endian length + JSON) itself; then tensor bytes move without safetensors' per-tensor host copies:
 
 - to CPU, tensors are zero-copy views of a private (copy-on-write) mmap of the file;
-- to CUDA, worker threads ``pread`` contiguous file ranges into reusable pinned staging buffers and issue one
+- to CUDA, worker threads ``pread`` contiguous file ranges into pinned staging buffers and issue one
   asynchronous H2D copy per tensor piece on their own stream; the host waits only when a staging buffer is
-  reused and once at the end. Destination tensors are separate device allocations.
+  reused and once at the end. Destination tensors are separate device allocations. The staging buffers live
+  for one load: they are freed, and their pages unpinned, before :func:`load_tensors` returns.
 
 Nothing here quantizes or validates cache semantics; it only guarantees that every returned tensor has the
 dtype, shape and bytes its header describes, and raises :class:`SafetensorsFormatError` otherwise.
@@ -16,15 +18,16 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
-import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -49,18 +52,42 @@ class SafetensorsFormatError(ValueError):
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file; ``begin``/``end`` are absolute byte offsets in the file."""
+class TensorSpec:
+    """One tensor of a safetensors file: its name, dtype and shape."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    begin: int
-    end: int
 
     @property
     def nbytes(self) -> int:
-        return self.end - self.begin
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TensorEntry(TensorSpec):
+    """A tensor and where its bytes are: ``begin``/``end`` are absolute byte offsets in the file
+    (``end - begin == nbytes``, checked when the header is parsed)."""
+
+    begin: int
+    end: int
+
+
+def read_tensor_specs(path: str | os.PathLike[str]) -> list[TensorSpec]:
+    """Name, dtype and shape of every tensor of ``path``, through safetensors' own header reader."""
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            slices = [(name, f.get_slice(name)) for name in f.keys()]
+            raw = [(name, sl.get_dtype(), tuple(sl.get_shape())) for name, sl in slices]
+    except (SafetensorError, OSError) as exc:
+        raise SafetensorsFormatError(f"{path}: {exc}") from None
+    specs = []
+    for name, dtype_name, shape in raw:
+        dtype = SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise SafetensorsFormatError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+        specs.append(TensorSpec(name, dtype, shape))
+    return specs
 
 
 def read_header(path: str | os.PathLike[str]) -> list[TensorEntry]:
@@ -119,18 +146,10 @@ def _parse_entry(path: Path, name: str, info: object, data_start: int, file_size
     return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
-def load_tensors(
-    files: Sequence[str | os.PathLike[str]],
-    device: torch.device | str,
-    *,
-    headers: dict[str, list[TensorEntry]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Every tensor of ``files`` placed on ``device``; names must be unique across files.
-
-    ``headers`` may pass already-parsed headers (keyed by ``str(path)``) to avoid reading them twice.
-    """
+def load_tensors(files: Sequence[str | os.PathLike[str]], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` placed on ``device``; names must be unique across files."""
     device = torch.device(device)
-    parsed = {str(f): (headers or {}).get(str(f)) or read_header(f) for f in files}
+    parsed = {str(f): read_header(f) for f in files}
     seen: dict[str, str] = {}
     for path, entries in parsed.items():
         for entry in entries:
@@ -140,7 +159,8 @@ def load_tensors(
     if device.type == "cpu":
         return _load_mmap_views(parsed)
     if device.type == "cuda":
-        return _StagedCudaReader.shared(device).load(parsed)
+        with _StagedCudaReader(device) as reader:
+            return reader.load(parsed)
     # Other accelerators: pageable copies through the CPU mmap views.
     return {name: t.to(device) for name, t in _load_mmap_views(parsed).items()}
 
@@ -173,41 +193,35 @@ class _Piece:
 
 
 class _StagedCudaReader:
-    """Pinned staging buffers and copy streams for one CUDA device, reused across loads in a process.
+    """Pinned staging buffers and copy streams for one load onto one CUDA device (a context manager).
 
-    Each worker owns ``buffers_per_worker`` pinned buffers of ``chunk_bytes``. A buffer is refilled only after
-    the event recorded behind its previous H2D copies has completed, so host reads overlap device copies.
+    Each worker owns ``buffers_per_worker`` pinned buffers of up to ``chunk_bytes`` (no larger than its largest
+    chunk, so a small load pins little). A buffer is refilled only after the event recorded behind its previous
+    H2D copies has completed, so host reads overlap device copies. Leaving the context frees the buffers and
+    returns their pinned pages to the system: a process that loaded its weights keeps no staging memory pinned.
     """
-
-    _instances: dict[torch.device, _StagedCudaReader] = {}
-    _lock = threading.Lock()
 
     def __init__(self, device: torch.device, *, workers: int = min(4, os.cpu_count() or 1),
                  chunk_bytes: int = 32 << 20, buffers_per_worker: int = 2) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.workers = workers
-        self._buffers = [
-            [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(buffers_per_worker)]
-            for _ in range(workers)
-        ]
-        self._streams = [torch.cuda.Stream(device) for _ in range(workers)]
-        self._busy = threading.Lock()  # one load at a time owns the staging buffers
+        self.buffers_per_worker = buffers_per_worker
+        self._buffers: list[list[torch.Tensor]] = []
+        self._streams: list[torch.cuda.Stream] = []
 
-    @classmethod
-    def shared(cls, device: torch.device) -> _StagedCudaReader:
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        with cls._lock:
-            if device not in cls._instances:
-                cls._instances[device] = cls(device)
-            return cls._instances[device]
+    def __enter__(self) -> _StagedCudaReader:
+        self._streams = [torch.cuda.Stream(self.device) for _ in range(self.workers)]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Every copy out of the buffers has completed (each worker synchronises its stream before returning).
+        self._buffers, self._streams = [], []
+        _release_cached_pinned_memory()
 
     def load(self, parsed: dict[str, list[TensorEntry]]) -> dict[str, torch.Tensor]:
-        with self._busy:
-            return self._load(parsed)
-
-    def _load(self, parsed: dict[str, list[TensorEntry]]) -> dict[str, torch.Tensor]:
         destinations = {
             e.name: torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
             for entries in parsed.values()
@@ -221,6 +235,11 @@ class _StagedCudaReader:
         # Contiguous runs of chunks per worker keep each worker's reads sequential within a file.
         per_worker = max(1, -(-len(chunks) // self.workers))
         runs = [chunks[i : i + per_worker] for i in range(0, len(chunks), per_worker)]
+        self._buffers = [
+            [torch.empty(max(p.file_hi - p.file_lo for p in run), dtype=torch.uint8, pin_memory=True)
+             for _ in range(self.buffers_per_worker)]
+            for run in runs
+        ]
         with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:
             list(pool.map(self._copy_run, range(len(runs)), runs, [destinations] * len(runs)))
         for stream in self._streams[: len(runs)]:
@@ -274,6 +293,14 @@ class _StagedCudaReader:
             stream.synchronize()
             for fd in fds.values():
                 os.close(fd)
+
+
+def _release_cached_pinned_memory() -> None:
+    """Give freed pinned pages back to the system; torch's host caching allocator would keep them otherwise."""
+    release = getattr(torch.accelerator, "empty_host_cache", None)
+    if release is None:  # a torch from before this was public: the same operation under its old name
+        release = torch._C._host_emptyCache
+    release()
 
 
 def host_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
