@@ -8,7 +8,7 @@ import torch
 from dlo_test_models import assert_state_identical, make_model, make_two_list_model, tensor_bytes
 from torch import nn
 
-from dlo_offload import LayerwiseOffload, OffloadPlan, allocate_host_bytes, enable_layerwise_offload
+from dlo_offload import LayerwiseOffload, OffloadPlan, SlotState, allocate_host_bytes, enable_layerwise_offload
 
 HIDDEN = 32
 
@@ -66,10 +66,59 @@ def test_two_block_lists_stream_in_execution_order_with_exact_output(resident_bl
     assert_state_identical(model, reference)
 
 
+def test_slots_move_through_named_states_and_never_reload_a_running_block() -> None:
+    model, _, x, expected = _reference(3)
+    handle = enable_layerwise_offload(model, OffloadPlan("blocks", resident_modules=("embed", "head")), device="cpu")
+    assert [(s.state, s.tenant) for s in handle._slots] == [(SlotState.FILLED, 0), (SlotState.EMPTY, None)]
+    seen = []
+
+    def record(module: nn.Module, args: object) -> None:  # runs after the offload's own pre-hook
+        seen.append([(s.state, s.tenant) for s in handle._slots])
+
+    hooks = [block.register_forward_pre_hook(record) for block in model.blocks]
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    for h in hooks:
+        h.remove()
+    computing, filled, released = SlotState.COMPUTING, SlotState.FILLED, SlotState.RELEASED
+    assert seen == [
+        [(computing, 0), (filled, 1)],  # block 0 runs from slot 0 while block 1 is copied into slot 1
+        [(filled, 2), (computing, 1)],  # block 2 goes into slot 0 once block 0 released it
+        [(computing, 2), (filled, 0)],  # the prefetch wraps around to block 0 for the next forward
+    ]
+    # A streamed block that calls another one would make the offload overwrite a running block's slot.
+    blocks = model.blocks
+    original_forward = blocks[0].forward
+    blocks[0].forward = lambda h: blocks[1](original_forward(h))  # type: ignore[method-assign]
+    overwrite = r"would overwrite slot \d while blocks.0 runs from it to load blocks.2"
+    with pytest.raises(RuntimeError, match=overwrite), torch.inference_mode():
+        model(x)
+    del blocks[0].forward
+    with torch.inference_mode():  # the failed forward left both slots reusable
+        assert torch.equal(model(x), expected)
+    handle.remove()
+
+
+def test_a_profiler_trace_names_each_blocks_copy_and_forward() -> None:
+    model, _, x, _ = _reference(3)
+    handle = enable_layerwise_offload(model, OffloadPlan("blocks", resident_modules=("embed", "head")), device="cpu")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace, torch.inference_mode():
+        model(x)
+    names = [event.name for event in trace.events()]
+    handle.remove()
+    for k in range(3):
+        assert names.count(f"dlo_offload.forward blocks.{k}") == 1
+    # Blocks 1 and 2 are prefetched during this forward, block 0 for the next one (block 0's first copy
+    # happened at enable time, before the trace).
+    assert [n for n in names if n.startswith("dlo_offload.h2d")] == [
+        "dlo_offload.h2d blocks.1", "dlo_offload.h2d blocks.2", "dlo_offload.h2d blocks.0"
+    ]
+
+
 def test_streamed_blocks_live_only_in_the_two_slots() -> None:
     model, _, x, _ = _reference(5)
     handle = enable_layerwise_offload(model, OffloadPlan("blocks", resident_modules=("embed", "head")), device="cpu")
-    slot_ptrs = {slot.untyped_storage().data_ptr() for slot in handle._slots}
+    slot_ptrs = {slot.buffer.untyped_storage().data_ptr() for slot in handle._slots}
     assert len(slot_ptrs) == 2
     seen_slots: list[int] = []
 

@@ -9,7 +9,7 @@ from .checkpoint import (
     build_checkpoint_mmap_plan,
     load_checkpoint,
 )
-from .executor import LayerwiseOffload, enable_layerwise_offload
+from .executor import LayerwiseOffload, SlotState, enable_layerwise_offload
 from .host_store import HostBlockStore, allocate_host_bytes
 from .layout import BlockLayout, TensorEntry, storage_span
 from .parallel import (
@@ -48,6 +48,7 @@ __all__ = [
     "LayerwiseOffload",
     "OffloadPlan",
     "ResolvedPlan",
+    "SlotState",
     "TensorBinding",
     "TensorEntry",
     "allocate_host_bytes",

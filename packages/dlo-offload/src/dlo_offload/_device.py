@@ -36,6 +36,11 @@ class _CpuStream:
         return None
 
 
+# What `DeviceOps` hands out: the real CUDA objects, or their no-op CPU twins.
+Stream = torch.cuda.Stream | _CpuStream
+Event = torch.cuda.Event | _CpuEvent
+
+
 class DeviceOps:
     """Streams, events and allocator calls for one `torch.device`."""
 
@@ -56,17 +61,17 @@ class DeviceOps:
         self.device = device
         self.is_cuda = device.type == "cuda"
 
-    def new_stream(self) -> torch.cuda.Stream | _CpuStream:
+    def new_stream(self) -> Stream:
         return torch.cuda.Stream(device=self.device) if self.is_cuda else _CpuStream()
 
-    def new_event(self) -> torch.cuda.Event | _CpuEvent:
+    def new_event(self) -> Event:
         return torch.cuda.Event() if self.is_cuda else _CpuEvent()
 
-    def current_stream(self) -> torch.cuda.Stream | _CpuStream:
+    def current_stream(self) -> Stream:
         return torch.cuda.current_stream(self.device) if self.is_cuda else _CpuStream()
 
     @contextlib.contextmanager
-    def on_stream(self, stream: torch.cuda.Stream | _CpuStream) -> Iterator[None]:
+    def on_stream(self, stream: Stream) -> Iterator[None]:
         if self.is_cuda:
             with torch.cuda.stream(stream):
                 yield

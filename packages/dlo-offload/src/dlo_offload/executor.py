@@ -18,6 +18,7 @@ each the size of the largest (padded) streamed block.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._device import DeviceOps
+from ._device import DeviceOps, Event, Stream
 from ._tensors import SavedTensor, owner_of, set_tensor
-from .checkpoint import CHECKPOINT_MMAP, HostWeightPlan
+from .checkpoint import CHECKPOINT_MMAP, CheckpointReader, HostWeightPlan
 from .host_store import HostBlockStore, StagedCheckpointBlocks
 from .layout import BlockLayout, TensorEntry, block_tensors, layout_of, layouts_digest, persistent_buffers
 from .plan import OffloadPlan, ResolvedPlan, resolve_plan
@@ -58,6 +59,26 @@ class _StreamedBlock:
     active_slot: int = -1  # the slot its tensors point into while it runs
 
 
+class SlotState(enum.Enum):
+    """Where a device slot is in its cycle, as the host sees it (the device may still be behind)."""
+
+    EMPTY = "empty"  # holds no block yet
+    FILLED = "filled"  # a copy of `tenant` is enqueued on the transfer stream; `ready` marks its end
+    COMPUTING = "computing"  # `tenant`'s forward reads it, between the block's pre- and post-hook
+    RELEASED = "released"  # `tenant` ran and `free` is recorded; its bytes stay valid until the next fill
+
+
+@dataclass
+class _Slot:
+    """One of the two device slots a streamed block runs from."""
+
+    buffer: torch.Tensor
+    ready: Event  # recorded on the transfer stream after each fill
+    free: Event  # recorded on the compute stream after the tenant's forward
+    state: SlotState = SlotState.EMPTY
+    tenant: int | None = None  # the streamed block whose bytes it holds (or is receiving)
+
+
 class LayerwiseOffload:
     """Handle for an enabled layerwise offload; `remove()` restores the model.
 
@@ -71,14 +92,13 @@ class LayerwiseOffload:
         host_nbytes: bytes of packed block data held on this rank's host.
         pinned: whether the host copies (or staging buffers) are pinned.
         streams_from_checkpoint: whether blocks are packed from the checkpoint mapping per copy.
+
+    In a profiler trace each streamed block's copy shows as ``dlo_offload.h2d <block>`` (its all-gather
+    inside it, in AllGather mode) and its forward as ``dlo_offload.forward <block>``.
     """
 
     def __init__(self) -> None:
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._moved: list[SavedTensor] = []
-        self._streamed: list[_StreamedBlock] = []
-        self._originals: list[SavedTensor] = []
-        self._removed = False
+        # -- public figures (set by the enable) ------------------------------------------
         self.mode: Mode = "rank_local"
         self.world_size = 1
         self.rank = 0
@@ -86,9 +106,24 @@ class LayerwiseOffload:
         self.resident_nbytes = 0
         self.host_nbytes = 0
         self.pinned = False
+        # -- device and sharding group ------------------------------------------------------
+        self._ops: DeviceOps | None = None
+        self._group: dist.ProcessGroup | None = None
+        # -- host side: exactly one of a packed copy per block or checkpoint staging ------------
         self._store: HostBlockStore | None = None
         self._staged: StagedCheckpointBlocks | None = None
-        self._reader: object | None = None
+        self._reader: CheckpointReader | None = None  # kept open while blocks stream from the checkpoint
+        # -- device side: the streamed blocks, the two slots, the copy stream ---------------------
+        self._streamed: list[_StreamedBlock] = []
+        self._slots: tuple[_Slot, ...] = ()
+        self._transfer: Stream | None = None
+        self._last_slot = 1  # the slot the most recent block ran from
+        # -- what the model held before, for remove() and rollback ---------------------------------
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._moved: list[SavedTensor] = []  # resident blocks and modules
+        self._originals: list[SavedTensor] = []  # streamed tensors, until the enable completes
+        self._forward_ranges: dict[int, torch.profiler.record_function] = {}
+        self._removed = False
 
     @property
     def host_block_buffers(self) -> tuple[torch.Tensor, ...]:
@@ -183,12 +218,6 @@ class LayerwiseOffload:
                 reader.close()
         self._build_slots(streamed, tensors, layouts)
         self._transfer = ops.new_stream()
-        self._ready = (ops.new_event(), ops.new_event())
-        self._free = (ops.new_event(), ops.new_event())
-        for event in self._free:
-            event.record(ops.current_stream())
-        self._tenant: list[int | None] = [None, None]
-        self._last_slot = 1
         for k, block in enumerate(self._streamed):
             self._hooks.append(block.module.register_forward_pre_hook(self._make_pre_hook(k)))
             self._hooks.append(block.module.register_forward_hook(self._make_post_hook(k), always_call=True))
@@ -209,7 +238,10 @@ class LayerwiseOffload:
             )
 
     def _sources(
-        self, named: tuple[str, nn.Module], tensors: list[tuple[str, str, torch.Tensor]], reader: object | None
+        self,
+        named: tuple[str, nn.Module],
+        tensors: list[tuple[str, str, torch.Tensor]],
+        reader: CheckpointReader | None,
     ) -> dict[str, torch.Tensor]:
         block_name, block = named
         persistent = persistent_buffers(block)
@@ -217,7 +249,7 @@ class LayerwiseOffload:
         for local, kind, tensor in tensors:
             planned = reader is not None and (kind == "parameter" or local in persistent)
             if planned:
-                out[local] = reader.get(f"{block_name}.{local}")  # type: ignore[attr-defined]
+                out[local] = reader.get(f"{block_name}.{local}")
                 if tuple(out[local].shape) != tuple(tensor.shape) or out[local].dtype != tensor.dtype:
                     raise ValueError(
                         f"host_weights binds {block_name}.{local} to a {out[local].dtype} tensor of shape "
@@ -233,7 +265,7 @@ class LayerwiseOffload:
                 out[local] = tensor
         return out
 
-    def _place_resident(self, resolved: ResolvedPlan, device: torch.device, reader: object | None) -> None:
+    def _place_resident(self, resolved: ResolvedPlan, device: torch.device, reader: CheckpointReader | None) -> None:
         modules = [(name, block, reader) for name, block in resolved.resident]
         modules += [(name, module, None) for name, module in resolved.resident_modules]
         for prefix, module, source in modules:
@@ -241,7 +273,7 @@ class LayerwiseOffload:
             for local, kind, tensor in block_tensors(module):
                 owner, attr = owner_of(module, local)
                 planned = source is not None and (kind == "parameter" or local in persistent)
-                value = source.get(f"{prefix}.{local}") if planned else tensor  # type: ignore[attr-defined]
+                value = source.get(f"{prefix}.{local}") if planned else tensor
                 if value.is_meta:
                     raise ValueError(f"resident tensor {prefix}.{local} is on the meta device; load it first")
                 self._moved.append(SavedTensor(owner, attr, kind, from_checkpoint=planned))
@@ -263,7 +295,13 @@ class LayerwiseOffload:
         device = self._ops.device
         world = self.world_size if self.mode == "allgather" else 1
         self.slot_nbytes = max((layout.shard_nbytes(world) * world for layout in layouts), default=0)
-        self._slots = tuple(torch.zeros(self.slot_nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+        ops = self._ops
+        self._slots = tuple(
+            _Slot(torch.zeros(self.slot_nbytes, dtype=torch.uint8, device=device), ops.new_event(), ops.new_event())
+            for _ in range(2)
+        )
+        for slot in self._slots:
+            slot.free.record(ops.current_stream())
         empty = {}
         for (name, block), block_ts, layout in zip(streamed, tensors, layouts):
             by_name = {local: (kind, tensor) for local, kind, tensor in block_ts}
@@ -274,7 +312,7 @@ class LayerwiseOffload:
                 if entry.dtype not in empty:
                     empty[entry.dtype] = torch.empty(0, dtype=entry.dtype, device=device)
                 placeholders.append(empty[entry.dtype])
-            views = tuple([entry.view_in(slot) for entry in layout.entries] for slot in self._slots)
+            views = tuple([entry.view_in(slot.buffer) for entry in layout.entries] for slot in self._slots)
             requires_grad = any(t.requires_grad for _, t in by_name.values())
             self._streamed.append(_StreamedBlock(name, block, targets, views, placeholders, requires_grad))
             for owner, attr, entry in targets:
@@ -286,30 +324,33 @@ class LayerwiseOffload:
         backend = dist.get_backend(self._group)
         return self._ops.device if backend != "gloo" else torch.device("cpu")
 
-    def _fill(self, k: int, slot: int) -> None:
-        """Enqueue the copy (and gather) of streamed block k into `slot`.
+    def _fill(self, k: int, index: int) -> None:
+        """Enqueue the copy (and gather) of streamed block k into slot `index`.
 
         Never blocks the host, except when streaming from the checkpoint, where the
         staging buffer's previous copy must have finished before it is repacked.
         """
-        if self._staged is not None:
-            source = self._staged.stage(k, slot)
-        else:
-            source = self._store.buffers[k]  # type: ignore[union-attr]
-        shard = source.numel()
-        self._transfer.wait_event(self._free[slot])
-        with self._ops.on_stream(self._transfer):
-            target = self._slots[slot]
-            if self.mode == "allgather":
-                mine = target[self.rank * shard : (self.rank + 1) * shard]
-                mine.copy_(source, non_blocking=self.pinned)
-                _all_gather_single(target[: shard * self.world_size], mine, group=self._group)
-            else:
-                target[:shard].copy_(source, non_blocking=self.pinned)
-            if self._staged is not None:
-                self._staged.done[slot].record(self._transfer)
-            self._ready[slot].record(self._transfer)
-        self._tenant[slot] = k
+        slot = self._slots[index]
+        if slot.state is SlotState.COMPUTING:
+            raise RuntimeError(
+                f"layerwise offload would overwrite slot {index} while {self._streamed[slot.tenant].name} runs "
+                f"from it to load {self._streamed[k].name}; streamed blocks must not call one another"
+            )
+        with torch.profiler.record_function(f"dlo_offload.h2d {self._streamed[k].name}"):
+            source = self._staged.stage(k, index) if self._staged is not None else self._store.buffers[k]
+            shard = source.numel()
+            self._transfer.wait_event(slot.free)
+            with self._ops.on_stream(self._transfer):
+                if self.mode == "allgather":
+                    mine = slot.buffer[self.rank * shard : (self.rank + 1) * shard]
+                    mine.copy_(source, non_blocking=self.pinned)
+                    _all_gather_single(slot.buffer[: shard * self.world_size], mine, group=self._group)
+                else:
+                    slot.buffer[:shard].copy_(source, non_blocking=self.pinned)
+                if self._staged is not None:
+                    self._staged.done[index].record(self._transfer)
+                slot.ready.record(self._transfer)
+        slot.state, slot.tenant = SlotState.FILLED, k
 
     def _make_pre_hook(self, k: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: object) -> None:
@@ -320,29 +361,40 @@ class LayerwiseOffload:
                     "wrap the call in torch.inference_mode() (or torch.no_grad()), or call "
                     "model.requires_grad_(False) before enabling the offload"
                 )
-            if self._tenant[0] == k:
-                slot = 0
-            elif self._tenant[1] == k:
-                slot = 1
+            held = [i for i, slot in enumerate(self._slots) if slot.tenant == k]
+            if held:
+                index = held[0]
             else:  # out-of-order call: load it now, keeping the slot the previous block used intact
-                slot = 1 - self._last_slot
-                self._fill(k, slot)
-            self._ops.current_stream().wait_event(self._ready[slot])
-            for (owner, attr, entry), view in zip(block.targets, block.slot_views[slot]):
+                index = 1 - self._last_slot
+                self._fill(k, index)
+            slot = self._slots[index]
+            self._ops.current_stream().wait_event(slot.ready)
+            for (owner, attr, entry), view in zip(block.targets, block.slot_views[index]):
                 set_tensor(owner, attr, entry.kind, view)
-            self._last_slot = block.active_slot = slot
+            slot.state = SlotState.COMPUTING
+            self._last_slot = block.active_slot = index
             following = (k + 1) % len(self._streamed)
-            if following != k and self._tenant[1 - slot] != following:
-                self._fill(following, 1 - slot)
+            if following != k and self._slots[1 - index].tenant != following:
+                self._fill(following, 1 - index)
+            forward_range = torch.profiler.record_function(f"dlo_offload.forward {block.name}")
+            forward_range.__enter__()
+            self._forward_ranges[k] = forward_range
 
         return pre_hook
 
     def _make_post_hook(self, k: int) -> Callable[..., None]:
+        # Registered with always_call: it also runs when the forward (or the pre-hook) raised.
         def post_hook(module: nn.Module, args: object, output: object) -> None:
+            forward_range = self._forward_ranges.pop(k, None)
+            if forward_range is not None:
+                forward_range.__exit__(None, None, None)
             block = self._streamed[k]
             for (owner, attr, entry), placeholder in zip(block.targets, block.placeholders):
                 set_tensor(owner, attr, entry.kind, placeholder)
-            self._free[block.active_slot].record(self._ops.current_stream())
+            slot = self._slots[block.active_slot]
+            if slot.state is SlotState.COMPUTING and slot.tenant == k:
+                slot.free.record(self._ops.current_stream())
+                slot.state = SlotState.RELEASED
 
         return post_hook
 
@@ -362,14 +414,14 @@ class LayerwiseOffload:
         self._hooks.clear()
         self._ops.synchronize()
         for k, block in enumerate(self._streamed):
-            slot = 0
-            if self._tenant[0] != k:
-                self._fill(k, slot)
+            if self._slots[0].tenant != k:
+                self._fill(k, 0)
             self._ops.synchronize()
-            for (owner, attr, entry), view in zip(block.targets, block.slot_views[slot]):
+            for (owner, attr, entry), view in zip(block.targets, block.slot_views[0]):
                 host = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="cpu")
                 set_tensor(owner, attr, entry.kind, host.copy_(view))
-            self._free[slot].record(self._ops.current_stream())
+            self._slots[0].free.record(self._ops.current_stream())
+            self._slots[0].state = SlotState.RELEASED
         for saved in self._moved:
             if saved.from_checkpoint:  # it was never loaded before; bring it to the host like a streamed block
                 saved.to_host()
@@ -383,7 +435,7 @@ class LayerwiseOffload:
 
     def _close_reader(self) -> None:
         if self._reader is not None:
-            self._reader.close()  # type: ignore[attr-defined]
+            self._reader.close()
             self._reader = None
 
     def _restore_moved(self) -> None:
