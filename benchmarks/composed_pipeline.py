@@ -27,8 +27,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from omni_models.scorer import adherence, read_scenes  # noqa: E402
-from omni_models.shapes import split_scenes  # noqa: E402
+from omni_models.training.scorer import adherence, read_scenes  # noqa: E402
+from omni_models.training.shapes import split_scenes  # noqa: E402
 from omni_server.config import build_config  # noqa: E402
 from omni_server.loader import load_pipeline  # noqa: E402
 

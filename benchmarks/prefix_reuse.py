@@ -37,8 +37,8 @@ from omni_models.flow import euler_times, initial_noise
 from omni_models.model import CausalPrefixDiT
 from omni_models.pipeline import Pipeline, load
 from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob
-from omni_models.scorer import adherence, read_scenes
-from omni_models.shapes import split_scenes
+from omni_models.training.scorer import adherence, read_scenes
+from omni_models.training.shapes import split_scenes
 
 
 def layer_flops(config: DiTConfig, prefix_len: int, target_len: int) -> tuple[float, float]:

@@ -15,10 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from omni_models.captions import VOCABULARY
 from omni_models.checkpoint import save_config, save_weights
 from omni_models.config import DiTConfig
 from omni_models.model import CausalPrefixDiT
+from omni_models.training.captions import VOCABULARY
 
 
 def build_random_model(seed: int = 0) -> CausalPrefixDiT:

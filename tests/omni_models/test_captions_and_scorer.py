@@ -5,13 +5,15 @@ import pytest
 import torch
 
 from omni_models import InvalidRequestError
-from omni_models.captions import BOS_ID, COLOR_NAMES, POSITION_NAMES, SHAPE_NAMES, SceneSpec, Tokenizer
-from omni_models.scorer import adherence, read_scenes, to_uint8_images
-from omni_models.shapes import NUM_HELD_OUT, all_scenes, render, scenes_to_tensor, split_scenes
+from omni_models.images import to_uint8_images
+from omni_models.tokenizer import BOS_ID, Tokenizer
+from omni_models.training.captions import COLOR_NAMES, POSITION_NAMES, SHAPE_NAMES, VOCABULARY, SceneSpec
+from omni_models.training.scorer import adherence, read_scenes
+from omni_models.training.shapes import NUM_HELD_OUT, all_scenes, render, scenes_to_tensor, split_scenes
 
 
 def test_tokenizer_round_trips_every_caption_form():
-    tokenizer = Tokenizer()
+    tokenizer = Tokenizer(VOCABULARY)
     scene = SceneSpec(shape=2, color=0, position=6, background=4)
     for with_position in (True, False):
         for with_background in (True, False):
@@ -25,16 +27,16 @@ def test_tokenizer_round_trips_every_caption_form():
 
 def test_unknown_words_are_named():
     with pytest.raises(InvalidRequestError) as info:
-        Tokenizer().encode("a crimson hexagon at the top")
+        Tokenizer(VOCABULARY).encode("a crimson hexagon at the top")
     assert info.value.param == "prompt"
     assert "'crimson'" in str(info.value) and "'hexagon'" in str(info.value)
     with pytest.raises(InvalidRequestError, match="'<', 'bos', '>'"):
-        Tokenizer().encode("a <bos> circle")
+        Tokenizer(VOCABULARY).encode("a <bos> circle")
 
 
 def test_too_long_prompt_is_rejected():
     with pytest.raises(InvalidRequestError, match="at most 15"):
-        Tokenizer().encode(" ".join(["red"] * 16))
+        Tokenizer(VOCABULARY).encode(" ".join(["red"] * 16))
 
 
 def test_held_out_split_is_deterministic_and_disjoint():
@@ -75,7 +77,7 @@ def test_scorer_detects_wrong_attributes_and_empty_images():
 
 
 def test_an_reads_as_the_article_and_captions_use_it_before_vowels() -> None:
-    tokenizer = Tokenizer()
+    tokenizer = Tokenizer(VOCABULARY)
     assert tokenizer.encode("an orange circle on an orange background") == tokenizer.encode(
         "a orange circle on a orange background"
     )

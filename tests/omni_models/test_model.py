@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_models.captions import PAD_ID
+from omni_models.tokenizer import PAD_ID
 from omni_models.model import causal_prefix_mask
 
 

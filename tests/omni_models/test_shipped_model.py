@@ -9,8 +9,8 @@ import pytest
 
 import omni_models
 from omni_models.hub import WEIGHTS_ROOT
-from omni_models.scorer import adherence, read_scenes
-from omni_models.shapes import split_scenes
+from omni_models.training.scorer import adherence, read_scenes
+from omni_models.training.shapes import split_scenes
 
 NUM_PROMPTS = 12
 # The GPU evaluation over 200 held-out prompts is the headline figure (train_log.json); this CPU check uses the

@@ -8,7 +8,7 @@ import torch
 
 import omni_models
 from omni_models.checkpoint import MAX_SHARD_BYTES, load_weights
-from omni_models.train import main
+from omni_models.training.train import main
 
 
 def test_training_writes_a_loadable_reproducible_model(tmp_path):
@@ -35,3 +35,12 @@ def test_training_writes_a_loadable_reproducible_model(tmp_path):
     pipe = omni_models.load(str(out))
     assert pipe.info.name == "omni-shapes-tiny" and pipe.info.default_steps == 20
     assert pipe("a red circle", num_inference_steps=1, seed=0)[0].size == (32, 32)
+
+
+def test_the_training_script_runs_by_its_module_path():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "omni_models.training.train", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--time-budget-s" in done.stdout, done.stderr

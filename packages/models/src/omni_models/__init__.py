@@ -1,9 +1,10 @@
 """Diffusion pipelines for omni: the causal-prefix DiT family with the shipped omni-shapes-tiny model, and real
 families (FLUX.1, Qwen-Image) from diffusers-layout checkpoints.
 
-``load``, ``Pipeline`` (which need ``diffusion_kv``) and ``FamilyPipeline`` are imported on first use, so the
-training and scoring modules work on a machine where only torch is installed, and nothing here imports diffusers
-or transformers until a diffusers checkpoint is loaded (``omni_models.diffusers_adapter``, the ``diffusers`` extra).
+``load``, ``Pipeline`` (which need ``diffusion_kv``) and ``FamilyPipeline`` are imported on first use, so
+``omni_models.training`` (data, scorer, training script; never imported by serving) works on a machine where only
+torch is installed, and nothing here imports diffusers or transformers until a diffusers checkpoint is loaded
+(``omni_models.diffusers_adapter``, the ``diffusers`` extra).
 """
 
 from __future__ import annotations

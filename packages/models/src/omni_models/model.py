@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni_models import fused
-from omni_models.captions import PAD_ID
 from omni_models.config import DiTConfig
+from omni_models.tokenizer import PAD_ID
 
 class QKV(NamedTuple):
     """One side's (prefix or target) queries, keys and values, each ``[..., heads, head_size]``."""

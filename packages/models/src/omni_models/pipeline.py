@@ -32,19 +32,19 @@ from diffusion_kv import (
 from PIL import Image
 
 from omni_models import paged
-from omni_models.captions import Tokenizer
 from omni_models.checkpoint import load_config, load_weights
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
 from omni_models.graphs import StepGraphs
 from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
+from omni_models.images import to_uint8_images
 from omni_models.integrations import declare_kv_cache
 from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED
 from omni_models.model import CausalPrefixDiT
 from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob, StepBatch
 from omni_models.sampling import generate_dense
-from omni_models.scorer import to_uint8_images
+from omni_models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from omni_models.families import FamilyPipeline

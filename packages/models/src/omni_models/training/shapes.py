@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from omni_models.captions import COLOR_NAMES, POSITION_NAMES, SHAPE_NAMES, SceneSpec
+from omni_models.training.captions import COLOR_NAMES, POSITION_NAMES, SHAPE_NAMES, SceneSpec
 
 IMAGE_SIZE = 32
 CELL_CENTERS: tuple[int, ...] = (6, 16, 26)

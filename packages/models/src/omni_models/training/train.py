@@ -1,6 +1,6 @@
 """Train omni-shapes-tiny on procedurally drawn batches, then measure prompt adherence on held-out scenes.
 
-    python -m omni_models.train --config tiny --out OUTDIR --time-budget-s 360
+    python -m omni_models.training.train --config tiny --out OUTDIR --time-budget-s 360
 
 Writes to OUTDIR: model.safetensors (EMA weights, bf16; sharded under 16 MiB per file if ever larger),
 config.json, vocab.json, train_log.json and samples/*.png. Seeded: the initial weights, the data stream and the
@@ -22,14 +22,16 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from omni_models.captions import BOS_ID, PAD_ID, VOCABULARY, SceneSpec, Tokenizer
 from omni_models.checkpoint import save_config, save_weights
 from omni_models.config import DiTConfig, tiny_config
 from omni_models.flow import noisy_sample, sample_training_times
+from omni_models.images import to_uint8_images
 from omni_models.model import CausalPrefixDiT
 from omni_models.sampling import generate_dense
-from omni_models.scorer import adherence, read_scenes, to_uint8_images
-from omni_models.shapes import IMAGE_SIZE, MAX_JITTER, render, scenes_to_tensor, split_scenes
+from omni_models.tokenizer import BOS_ID, PAD_ID, Tokenizer
+from omni_models.training.captions import VOCABULARY, SceneSpec
+from omni_models.training.scorer import adherence, read_scenes
+from omni_models.training.shapes import IMAGE_SIZE, MAX_JITTER, render, scenes_to_tensor, split_scenes
 
 CONFIGS = {"tiny": tiny_config}
 # Caption forms shown in training: full, without position, without background, shape and colour only.
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "command": "python -m omni_models.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m omni_models.training.train " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
     print(f"trained {step} steps in {train_seconds:.0f}s; wrote {args.out}", flush=True)

@@ -1,16 +1,13 @@
-"""The caption grammar of the shapes world and its word-level tokenizer.
+"""The word-level tokenizer of the causal-prefix DiT family: a model directory's ``vocab.json`` maps words to ids.
 
-A full caption reads ``"a red circle at the top left on a blue background"``. Training also shows the two
-shorter forms without the position clause or without the background clause, so prompts such as
-``"a red circle"`` are in-distribution. Token id 0 is padding, id 1 is BOS; every tokenized prompt starts with
-BOS, and the null prompt of classifier-free guidance is BOS alone.
+Token id 0 is padding, id 1 is BOS; every tokenized prompt starts with BOS, and the null prompt of
+classifier-free guidance is BOS alone.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from omni_models.errors import InvalidRequestError
 
@@ -19,25 +16,6 @@ BOS_TOKEN = "<bos>"
 PAD_ID = 0
 BOS_ID = 1
 
-COLOR_NAMES: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "white", "black")
-SHAPE_NAMES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
-# Row-major 3x3 grid: index = 3 * row + column.
-POSITION_NAMES: tuple[str, ...] = (
-    "top left", "top", "top right",
-    "left", "center", "right",
-    "bottom left", "bottom", "bottom right",
-)
-_GRAMMAR_WORDS: tuple[str, ...] = ("a", "at", "the", "on", "background")
-
-VOCABULARY: tuple[str, ...] = (
-    PAD_TOKEN,
-    BOS_TOKEN,
-    *_GRAMMAR_WORDS,
-    *COLOR_NAMES,
-    *SHAPE_NAMES,
-    *sorted({word for name in POSITION_NAMES for word in name.split()}),
-)
-
 # Words are runs of letters; any other run of characters (except the punctuation .,!) is an unknown "word", so
 # special tokens such as "<bos>" can never be typed into a prompt.
 _WORD_PATTERN = re.compile(r"[a-z]+|[^\sa-z.,!]+")
@@ -45,36 +23,10 @@ _WORD_PATTERN = re.compile(r"[a-z]+|[^\sa-z.,!]+")
 WORD_ALIASES: dict[str, str] = {"an": "a"}
 
 
-def _article(next_word: str) -> str:
-    return "an" if next_word[0] in "aeiou" else "a"
-
-
-@dataclass(frozen=True)
-class SceneSpec:
-    """One scene of the shapes world: indices into the name tables above.
-
-    Invariant: ``color != background`` (a shape is never drawn in its background colour).
-    """
-
-    shape: int
-    color: int
-    position: int
-    background: int
-
-    def caption(self, *, with_position: bool = True, with_background: bool = True) -> str:
-        color, background = COLOR_NAMES[self.color], COLOR_NAMES[self.background]
-        words = [_article(color), color, SHAPE_NAMES[self.shape]]
-        if with_position:
-            words += ["at", "the", POSITION_NAMES[self.position]]
-        if with_background:
-            words += ["on", _article(background), background, "background"]
-        return " ".join(words)
-
-
 class Tokenizer:
     """Word-level tokenizer over a fixed vocabulary; unknown words are a request error that names them."""
 
-    def __init__(self, vocabulary: Sequence[str] = VOCABULARY, *, max_tokens: int = 16) -> None:
+    def __init__(self, vocabulary: Sequence[str], *, max_tokens: int = 16) -> None:
         if len(vocabulary) < 2 or vocabulary[PAD_ID] != PAD_TOKEN or vocabulary[BOS_ID] != BOS_TOKEN:
             raise ValueError(f"vocabulary must start with {PAD_TOKEN!r}, {BOS_TOKEN!r}; got {list(vocabulary[:2])}")
         self.vocabulary = tuple(vocabulary)

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omni_models.captions import COLOR_NAMES, SceneSpec
-from omni_models.shapes import IMAGE_SIZE, PALETTE_RGB, SHAPE_RADIUS, shape_templates
+from omni_models.training.captions import COLOR_NAMES, SceneSpec
+from omni_models.training.shapes import IMAGE_SIZE, PALETTE_RGB, SHAPE_RADIUS, shape_templates
 
 MASK_DISTANCE = 60.0
 ATTRIBUTES: tuple[str, ...] = ("shape", "color", "position", "background")
@@ -96,9 +96,3 @@ def adherence(readings: Sequence[SceneReading], scenes: Sequence[SceneSpec]) -> 
     result["attributes"] = sum(result[name] for name in ATTRIBUTES) / len(ATTRIBUTES)
     result["scene"] = sum(all(m.values()) for m in matches) / len(matches)
     return result
-
-
-def to_uint8_images(images: torch.Tensor) -> np.ndarray:
-    """float [N, 3, H, W] in [-1, 1] -> uint8 [N, H, W, 3] (clamped, then rounded to the nearest level)."""
-    scaled = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return scaled.permute(0, 2, 3, 1).cpu().numpy()
