@@ -1,30 +1,93 @@
 #!/usr/bin/env bash
-# Runs the test matrix: each package's tests in its own hatch environment (only that package and its declared
-# dependencies installed), then the cross-package tests. Fails if any environment fails or collects no test.
-# Usage: bash tests/run_matrix.sh [ENV ...]   (default: every environment, in dependency order)
+# Runs the test matrix: hatch's `test` matrix, one environment per package (only that package and its declared
+# dependencies installed), each running its own tests; `server` also runs the cross-package tests. Fails if any
+# environment fails or collects no test.
+# Usage: bash tests/run_matrix.sh [PACKAGE ...]   (default: every value of the matrix, in hatch.toml's order)
+#
+# On a fresh machine it first installs what is missing: hatch (into .ci-venv, from PyPI) and, on Debian, the
+# packages the suite needs (python3-venv for that venv; chromium and chromium-driver for the playground test),
+# through apt-get as root or with passwordless sudo.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-envs=("$@")
-if [ ${#envs[@]} -eq 0 ]; then
-  envs=(test-diffusion-kv test-dlo-offload test-fp8-cache test-cfg-pairing test-models test-server)
+MIN_HATCH=1.18  # workspace members in matrix overrides
+
+apt_install() {  # apt_install PACKAGE...: install Debian packages, or say what to run and fail
+  local run=()
+  if [ "$(id -u)" -ne 0 ]; then
+    if ! sudo -n true 2>/dev/null; then
+      echo "missing: $*; install them (apt-get install $*) or rerun as root" >&2
+      return 1
+    fi
+    run=(sudo -n)
+  fi
+  if ! command -v apt-get >/dev/null; then
+    echo "missing: $* (the Debian package names); install their equivalents with your package manager" >&2
+    return 1
+  fi
+  echo "installing $* (apt-get)"
+  "${run[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    "${run[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+hatch_is_recent() {
+  local version
+  version=$(hatch --version 2>/dev/null | awk '{print $NF}') || return 1
+  [ -n "$version" ] && [ "$(printf '%s\n%s\n' "$MIN_HATCH" "$version" | sort -V | head -1)" = "$MIN_HATCH" ]
+}
+
+ensure_hatch() {
+  if command -v hatch >/dev/null && hatch_is_recent; then
+    return 0
+  fi
+  if [ -x .ci-venv/bin/hatch ]; then
+    export PATH="$PWD/.ci-venv/bin:$PATH"
+    hatch_is_recent && return 0
+  fi
+  if ! python3 -c "import ensurepip, venv" 2>/dev/null; then
+    apt_install python3-venv || return 1
+  fi
+  echo "installing hatch>=$MIN_HATCH into .ci-venv"
+  python3 -m venv .ci-venv &&
+    .ci-venv/bin/python -m pip install -q --disable-pip-version-check "hatch>=$MIN_HATCH" || return 1
+  export PATH="$PWD/.ci-venv/bin:$PATH"
+}
+
+ensure_chromium() {  # headless Chromium and its driver, for the playground page test
+  if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+    return 0
+  fi
+  apt_install chromium chromium-driver
+}
+
+ensure_hatch || { echo "FAILED: could not install hatch" >&2; exit 1; }
+
+packages=("$@")
+if [ ${#packages[@]} -eq 0 ]; then
+  # The matrix's values, in order, from hatch itself (environment names are `test.<package>`).
+  mapfile -t packages < <(hatch env show --json | python3 -c \
+    'import json, sys; print("\n".join(n.split(".", 1)[1] for n in json.load(sys.stdin) if n.startswith("test.")))')
 fi
 
 failed=()
 summary=()
-for env in "${envs[@]}"; do
-  echo "=== ${env} ==="
+for package in "${packages[@]}"; do
+  echo "=== test.${package} ==="
   start=$SECONDS
-  hatch -q env create "${env}" || { failed+=("${env} (environment)"); continue; }
-  hatch run "${env}:run" -q -p no:cacheprovider
+  if [ "${package}" = server ] && ! ensure_chromium; then
+    failed+=("test.${package} (chromium)")
+    continue
+  fi
+  hatch -q env create "test.${package}" || { failed+=("test.${package} (environment)"); continue; }
+  hatch run "+package=${package}" test:run -q -p no:cacheprovider
   rc=$?
   took=$((SECONDS - start))
   if [ $rc -eq 5 ]; then
-    failed+=("${env} (no tests collected)")
+    failed+=("test.${package} (no tests collected)")
   elif [ $rc -ne 0 ]; then
-    failed+=("${env} (pytest exit ${rc})")
+    failed+=("test.${package} (pytest exit ${rc})")
   fi
-  summary+=("${env}: exit ${rc}, ${took}s")
+  summary+=("test.${package}: exit ${rc}, ${took}s")
 done
 
 echo "=== matrix summary ==="
@@ -33,4 +96,4 @@ if [ ${#failed[@]} -ne 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1
 fi
-echo "all ${#envs[@]} environments passed"
+echo "all ${#packages[@]} environments passed"
