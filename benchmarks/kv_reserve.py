@@ -45,8 +45,8 @@ from diffusion_kv.allocator import build_block_allocator
 from diffusion_kv.request import _ContextKVRequest
 
 
-def _rows(public_id: str, num_rows: int, num_contexts: int, prefix_len: int, target_len: int, context_len: int):
-    contexts = tuple(DiffusionKVContext(f"ctx{i}", "cross.text", context_len) for i in range(num_contexts))
+def _cfg_rows(public_id: str, num_rows: int, prefix_len: int, target_len: int, contexts=()) -> list:
+    """`num_rows` CFG rows of `public_id`, each `[prefix_len | target_len]`, all referencing `contexts`."""
     return [
         DiffusionKVRequest(
             sequence_request_id(public_id, index),
@@ -57,7 +57,12 @@ def _rows(public_id: str, num_rows: int, num_contexts: int, prefix_len: int, tar
             kv_contexts=contexts,
         )
         for index in range(num_rows)
-    ], contexts
+    ]
+
+
+def _rows(public_id: str, num_rows: int, num_contexts: int, prefix_len: int, target_len: int, context_len: int):
+    contexts = tuple(DiffusionKVContext(f"ctx{i}", "cross.text", context_len) for i in range(num_contexts))
+    return _cfg_rows(public_id, num_rows, prefix_len, target_len, contexts), contexts
 
 
 def _time_per_call_us(cycles: dict[str, Callable[[], None]], iterations: int, repeats: int) -> dict[str, float]:
@@ -172,17 +177,7 @@ def _soak(kind: str, ops: int, seed: int) -> dict[str, object]:
             )
             seq_len = rng.randint(2, 300)  # up to 300 > max_model_len: some are rejected as too long
             prefix_len = rng.randint(0, seq_len - 1)
-            sequences = [
-                DiffusionKVRequest(
-                    sequence_request_id(public_id, index),
-                    sequence_id=index,
-                    prefix_len=prefix_len,
-                    target_len=seq_len - prefix_len,
-                    seq_len=seq_len,
-                    kv_contexts=contexts,
-                )
-                for index in range(num_rows)
-            ]
+            sequences = _cfg_rows(public_id, num_rows, prefix_len, seq_len - prefix_len, contexts)
             inject = rng.random() < 0.1
             allocator.calls = 0
             allocator.fail_on_call = rng.randint(1, num_rows + len(contexts)) if inject else None

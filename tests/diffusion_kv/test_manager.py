@@ -73,11 +73,7 @@ def test_default_allocator_is_the_real_native_manager_when_vllm_is_importable():
     assert isinstance(manager.native_manager, KVCacheManager)
     assert manager.native_manager.enable_caching is False
     builtin = DiffusionKVCacheManager(
-        BlockPoolConfig(8, 4),
-        max_model_len=64,
-        scheduler_block_size=4,
-        hash_block_size=4,
-        max_rows_per_request=2,
+        BlockPoolConfig(8, 4), max_model_len=64, scheduler_block_size=4, hash_block_size=4, max_rows_per_request=2,
         allocator="builtin",
     )
     assert builtin.native_manager is None
@@ -298,25 +294,24 @@ def test_sequence_ids_must_derive_from_the_public_id(make_manager):
     _assert_empty(manager)
 
 
-def test_get_metadata_of_unknown_request():
-    manager = DiffusionKVCacheManager(
-        BlockPoolConfig(4, 4),
-        max_model_len=8,
-        scheduler_block_size=4,
-        hash_block_size=4,
-        max_rows_per_request=1,
-        allocator="builtin",
-    )
+def test_get_metadata_of_unknown_request(make_manager):
+    manager = make_manager(4, max_rows=1, max_model_len=8)
     with pytest.raises(KeyError, match="Diffusion KV request 'nope' is not allocated"):
         manager.get_metadata("nope")
 
 
-def test_reserves_request_scoped_context_and_releases_it_with_the_request(make_manager):
-    manager = make_manager(8)
+def _reserve_with_a_text_context(manager, public_id: str, num_rows: int):
+    """Reserve `num_rows` 8-token rows sharing one 8-token context; returns (metadata, blocks taken)."""
     idle = manager.get_num_free_blocks()
     text = DiffusionKVContext("text", "cross.text", 8)
-    metadata = manager.reserve_request("public", _seqs("public", 1, contexts=(text,)))
-    assert manager.get_num_free_blocks() == idle - 4
+    metadata = manager.reserve_request(public_id, _seqs(public_id, num_rows, contexts=(text,)))
+    return metadata, idle - manager.get_num_free_blocks()
+
+
+def test_reserves_request_scoped_context_and_releases_it_with_the_request(make_manager):
+    manager = make_manager(8)
+    metadata, taken = _reserve_with_a_text_context(manager, "public", 1)
+    assert taken == 4
     (context,) = metadata.contexts
     assert (context.context_id, context.cache_role, context.num_tokens, len(context.block_ids[0])) == (
         "text",
@@ -348,47 +343,30 @@ def test_context_with_block_hashes_never_reads_the_prefix_cache(kind, make_manag
 
 
 def test_shared_context_is_allocated_once_for_multiple_sequences(make_manager):
-    manager = make_manager(8)
-    idle = manager.get_num_free_blocks()
-    text = DiffusionKVContext("text", "cross.text", 8)
-    metadata = manager.reserve_request("pub", _seqs("pub", 2, contexts=(text,)))
-    assert manager.get_num_free_blocks() == idle - 6
+    metadata, taken = _reserve_with_a_text_context(make_manager(8), "pub", 2)
+    assert taken == 6
     assert [s.context_ids for s in metadata.sequences] == [("text",), ("text",)]
     assert len(metadata.contexts) == 1 and metadata.num_rows == 3
+
+
+def _four_token_row(sequence_id: int, *contexts: DiffusionKVContext) -> DiffusionKVRequest:
+    """CFG row `sequence_id` of request "pub": 4 target tokens referencing `contexts` in that order."""
+    return DiffusionKVRequest(sequence_request_id("pub", sequence_id), sequence_id=sequence_id, prefix_len=0,
+                              target_len=4, seq_len=4, kv_contexts=contexts)
 
 
 def test_sequences_keep_their_declared_context_order(make_manager):
     manager = make_manager(16)
     a, b = DiffusionKVContext("a", "cross.text", 4), DiffusionKVContext("b", "cross.image", 4)
-    first = DiffusionKVRequest(
-        "pub/diffusion-kv/0", sequence_id=0, prefix_len=0, target_len=4, seq_len=4, kv_contexts=(b, a)
-    )
-    second = DiffusionKVRequest(
-        "pub/diffusion-kv/1", sequence_id=1, prefix_len=0, target_len=4, seq_len=4, kv_contexts=(a,)
-    )
-    metadata = manager.reserve_request("pub", [first, second])
+    metadata = manager.reserve_request("pub", [_four_token_row(0, b, a), _four_token_row(1, a)])
     assert [s.context_ids for s in metadata.sequences] == [("b", "a"), ("a",)]
     assert [c.context_id for c in metadata.contexts] == ["b", "a"]  # first-seen order
 
 
 def test_conflicting_shared_context_definitions_are_rejected_before_allocation(make_manager):
     manager = make_manager(8, wrap=Spy)
-    first = DiffusionKVRequest(
-        "pub/diffusion-kv/0",
-        sequence_id=0,
-        prefix_len=0,
-        target_len=4,
-        seq_len=4,
-        kv_contexts=(DiffusionKVContext("text", "cross.text", 4),),
-    )
-    second = DiffusionKVRequest(
-        "pub/diffusion-kv/1",
-        sequence_id=1,
-        prefix_len=0,
-        target_len=4,
-        seq_len=4,
-        kv_contexts=(DiffusionKVContext("text", "cross.text", 8),),
-    )
+    first = _four_token_row(0, DiffusionKVContext("text", "cross.text", 4))
+    second = _four_token_row(1, DiffusionKVContext("text", "cross.text", 8))
     with pytest.raises(DiffusionKVAdmissionError) as excinfo:
         manager.reserve_request("pub", [first, second])
     assert str(excinfo.value) == (

@@ -61,6 +61,13 @@ def _spawn(script: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def _source_cache_and_child(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A source component, where its cache goes, and the builder child script."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    return make_component(tmp_path / "source"), tmp_path / "cache", script
+
+
 def _assert_miss_or_valid(component: Path, cache: Path, online: dict) -> bool:
     """Every load after a crash sees either a miss or a complete, valid, bit-identical artifact."""
     manifest, reason = check_artifact(cache)
@@ -76,10 +83,7 @@ def _assert_miss_or_valid(component: Path, cache: Path, online: dict) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("start", ["empty", "stale"])
 def test_sigkill_at_random_points_during_publication_leaves_a_miss_or_a_valid_artifact(tmp_path, start):
-    component = make_component(tmp_path / "source")
-    cache = tmp_path / "cache"
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
+    component, cache, script = _source_cache_and_child(tmp_path)
     if start == "stale":  # a previous artifact whose source has since changed: replacement must be atomic too
         build_fp8_cache(component, cache, ignore=["embed"])
         make_component(component, seed=7)
@@ -129,10 +133,7 @@ def test_sigkill_at_random_points_during_publication_leaves_a_miss_or_a_valid_ar
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["elect-writer", "no-lock"])
 def test_four_processes_building_at_once_publish_exactly_once_and_all_load_it(tmp_path, mode):
-    component = make_component(tmp_path / "source")
-    cache = tmp_path / "cache"
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
+    component, cache, script = _source_cache_and_child(tmp_path)
     go = tmp_path / "go"
     children = [_spawn(script, str(component), str(cache), "0.01", mode, str(go)) for _ in range(4)]
     for child in children:  # every child has imported torch and the library before anyone starts

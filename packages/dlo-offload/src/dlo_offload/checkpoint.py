@@ -45,6 +45,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 CHECKPOINT_MMAP = "checkpoint_mmap"
 
 KeyRemap = Callable[[str], "str | None"]
+# A safetensors file, a directory of them (with or without an index), or a list of files.
+CheckpointSource = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class _Incompatible(ValueError):
     """The checkpoint cannot back the blocks directly; the message is the fallback reason."""
 
 
-def checkpoint_files(checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+def checkpoint_files(checkpoint: CheckpointSource) -> list[str]:
     """The safetensors files of a checkpoint: a file, a list of files, or a directory.
 
     A directory's ``*.safetensors.index.json`` is preferred over globbing.
@@ -142,7 +144,7 @@ def _required_tensors(model: nn.Module, plan: OffloadPlan) -> dict[str, torch.Te
 
 
 def _preflight(
-    model: nn.Module, plan: OffloadPlan, checkpoint: object, remap: KeyRemap | None
+    model: nn.Module, plan: OffloadPlan, checkpoint: CheckpointSource, remap: KeyRemap | None
 ) -> HostWeightPlan:
     required = _required_tensors(model, plan)
     block_prefixes = tuple(f"{path}." for path in plan.block_lists)
@@ -194,7 +196,7 @@ def _preflight(
 def build_checkpoint_mmap_plan(
     model: nn.Module,
     plan: OffloadPlan,
-    checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    checkpoint: CheckpointSource,
     *,
     remap: KeyRemap | None = None,
 ) -> HostWeightPlanResult:
@@ -217,7 +219,7 @@ def build_checkpoint_mmap_plan(
 def load_checkpoint(
     model: nn.Module,
     plan: OffloadPlan,
-    checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    checkpoint: CheckpointSource,
     *,
     remap: KeyRemap | None = None,
 ) -> HostWeightPlanResult:
