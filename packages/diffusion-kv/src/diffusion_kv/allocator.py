@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from diffusion_kv._validation import is_positive_int
+from diffusion_kv._validation import cdiv, is_positive_int
 
 
 class RowRequest(Protocol):
@@ -121,7 +121,7 @@ class BuiltinBlockPool:
         return len(self._free)
 
     def blocks_for_full_reservation(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def allocate(self, request: RowRequest) -> tuple[list[int], ...] | None:
         owned = self._owned.get(request.request_id, [])
