@@ -25,7 +25,7 @@ from .parallel import (
 from .plan import OffloadPlan, ResolvedPlan, resolve_plan
 from .wave import DPWaveCoordinator, WaveFailedError, WaveRefusedError, WaveRequest, validate_wave
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BlockLayout",
