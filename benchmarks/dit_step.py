@@ -44,7 +44,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from omni_models.captions import BOS_TOKEN, PAD_TOKEN, Tokenizer  # noqa: E402
+from omni_models.tokenizer import BOS_TOKEN, PAD_TOKEN, Tokenizer  # noqa: E402
 from omni_models.config import DiTConfig, large_config  # noqa: E402
 from omni_models.graphs import StepGraphs  # noqa: E402
 from omni_models.integrations import quantize_fp8  # noqa: E402
