@@ -24,6 +24,15 @@ and VAE decode; medians with min/max):
   slots on the device), time vs. resident, device weight bytes, and whether the image equals the resident one;
 - ``compiled``: diffusers with ``transformer.compile_repeated_blocks()`` and omni with ``compile_transformer()``
   (both regional ``torch.compile`` of the repeated blocks).
+- ``fp8_compiled`` (with ``fp8``): the FP8 transformer under the same regional compile, once per activation
+  scaling in ``--fp8-compiled-scaling`` (inductor fuses the activation quantization into the op before each
+  linear); compared with omni bf16 compiled.
+- ``offload_batched`` (with ``offload``): 4 requests denoised together, resident vs. offloaded. At batch 1 a
+  full-size family's block bytes take longer to cross PCIe than its blocks take to compute, so the offload
+  phase also times a plain pinned host-to-device copy of one slot in the same run and reports the copy-bound
+  floor (host bytes / that bandwidth) next to the resident time.
+
+``--baseline none`` skips diffusers (eager and compiled) for a shorter run that re-measures omni's own phases.
 
 Ratios are printed against the targets (omni bf16 >= 1.0x diffusers, eager and compiled; FP8 >= 1.3x omni bf16;
 offload <= 1.10x resident; concurrency >= 1.3x) and every number lands in ``DIR/real_models_<family>.json``.
@@ -61,6 +70,7 @@ FULL = {"flux": dict(size=1024, steps=28, guidance_scale=3.5, true_cfg_scale=1.0
         "qwen-image": dict(size=1024, steps=50, guidance_scale=None, true_cfg_scale=4.0, negative_prompt=NEGATIVE)}
 TARGETS = {"omni_vs_diffusers_eager": 1.0, "omni_vs_diffusers_compiled": 1.0, "fp8_vs_bf16": 1.3,
            "offload_vs_resident_max": 1.10, "concurrency_throughput": 1.3}
+BATCHED_REQUESTS = 4
 
 
 def require_diffusers() -> None:
@@ -101,6 +111,19 @@ class ForwardTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def pinned_copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float:
+    """Bytes/s of a plain ``copy_`` from pinned host memory to ``device`` (the floor any weight streaming meets)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target.copy_(host, non_blocking=True)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(host, non_blocking=True)
+    synchronize(device)
+    return repeats * nbytes / (time.perf_counter() - start)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -208,23 +231,34 @@ class Bench:
         guided = self.request["negative_prompt"] is not None and self.request["true_cfg_scale"] > 1
         return 2 if guided and not omni else 1  # diffusers runs cond and uncond separately; omni batches them
 
+    def _prepare(self, pipe: Any, index: int, steps: int) -> list:
+        r = self.request
+        return pipe.prepare(PROMPTS[index % len(PROMPTS)], negative_prompt=r["negative_prompt"],
+                            num_inference_steps=steps, guidance_scale=r["guidance_scale"],
+                            true_cfg_scale=r["true_cfg_scale"], seed=self.seed + index, height=r["size"],
+                            width=r["size"])
+
+    def _serve(self, pipe: Any, batches: list[list]) -> list[float]:
+        """Run the jobs of ``batches`` together (one forward per step for all); returns the completion time."""
+        jobs = [job for batch in batches for job in batch]
+        pipe.encode_prompts(jobs)
+        while not all(job.finished for job in jobs):
+            pipe.run_denoise_step([job for job in jobs if not job.finished])
+        pipe.decode(jobs)
+        synchronize(self.device)
+        return [time.perf_counter()] * len(batches)
+
+    def _serve_together_s(self, pipe: Any, count: int, steps: int) -> float:
+        """Seconds for ``count`` requests of ``steps`` steps denoised together (after one warm-up at that shape)."""
+        self._serve(pipe, [self._prepare(pipe, i, min(2, steps)) for i in range(count)])
+        start = time.perf_counter()
+        self._serve(pipe, [self._prepare(pipe, i, steps) for i in range(count)])
+        return time.perf_counter() - start
+
     def concurrency(self, pipe: Any) -> None:
-        r, steps = self.request, self.args.concurrency_steps or self.request["steps"]
-
-        def prepare(index: int) -> list:
-            return pipe.prepare(PROMPTS[index], negative_prompt=r["negative_prompt"], num_inference_steps=steps,
-                                guidance_scale=r["guidance_scale"], true_cfg_scale=r["true_cfg_scale"],
-                                seed=self.seed + index, height=r["size"], width=r["size"])
-
-        def serve(batches: list[list]) -> list[float]:
-            """Run the jobs of ``batches`` together; returns each request's completion time since t0."""
-            jobs = [job for batch in batches for job in batch]
-            pipe.encode_prompts(jobs)
-            while not all(job.finished for job in jobs):
-                pipe.run_denoise_step([job for job in jobs if not job.finished])
-            pipe.decode(jobs)
-            synchronize(self.device)
-            return [time.perf_counter()] * len(batches)
+        steps = self.args.concurrency_steps or self.request["steps"]
+        prepare = lambda index: self._prepare(pipe, index, steps)  # noqa: E731
+        serve = lambda batches: self._serve(pipe, batches)  # noqa: E731
 
         serve([prepare(0)])  # warm-up at this batch shape's sizes
         synchronize(self.device)
@@ -252,6 +286,12 @@ class Bench:
 
         transformer = components["transformer"]
         transformer_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
+        batched_steps = self.args.offload_batched_steps
+        resident_batched_s = None
+        if "offload_batched" in self.args.phases:
+            resident_batched_s = self._serve_together_s(build(components), BATCHED_REQUESTS, batched_steps)
+            self.log(f"resident: {BATCHED_REQUESTS} requests x {batched_steps} steps together in "
+                     f"{resident_batched_s:.2f} s")
         synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         start = time.perf_counter()
@@ -273,9 +313,23 @@ class Bench:
                      pixels_equal_resident=bool(np.array_equal(pixels, resident_pixels)))
         if self.device.type == "cuda":
             phase["device_weight_bytes_measured"] = after - (before - transformer_bytes)
+            bandwidth = pinned_copy_bandwidth(handle.slot_nbytes, self.device)
+            forwards = self.forwards_per_step(True)
+            phase.update(pinned_copy_gb_s=bandwidth / 1e9,
+                         copy_bound_ms_per_step=1e3 * forwards * handle.host_nbytes / bandwidth)
+            self.log(f"offload: a plain pinned copy runs at {bandwidth / 1e9:.1f} GB/s, so streaming "
+                     f"{handle.host_nbytes / 2**30:.1f} GiB per forward takes at least "
+                     f"{phase['copy_bound_ms_per_step']:.1f} ms/step")
         self.log(f"offload: device weights {phase['device_weight_bytes_expected'] / 2**20:.1f} MiB "
                  f"(resident parts + 2 slots) of {transformer_bytes / 2**20:.1f} MiB; image equals resident: "
                  f"{phase['pixels_equal_resident']}")
+        if resident_batched_s is not None:
+            offload_batched_s = self._serve_together_s(pipe, BATCHED_REQUESTS, batched_steps)
+            phase["batched"] = {"requests": BATCHED_REQUESTS, "steps": batched_steps,
+                                "resident_s": resident_batched_s, "offload_s": offload_batched_s,
+                                "ratio": offload_batched_s / resident_batched_s}
+            self.log(f"offload: {BATCHED_REQUESTS} requests together {offload_batched_s:.2f} s vs resident "
+                     f"{resident_batched_s:.2f} s -> {offload_batched_s / resident_batched_s:.3f}x")
         handle.remove()  # streamed blocks come back to the host
         transformer.to(self.device)
 
@@ -321,6 +375,8 @@ class Bench:
             pixels = self.timed("fp8", self._omni_call, pipe, quantized, self.args.repeats, self.forwards_per_step(True))
             self.results["phases"]["fp8"].update(phase, psnr_vs_bf16_db=psnr(pixels, bf16_pixels),
                                                  ssim_vs_bf16=ssim(pixels, bf16_pixels))
+            if "fp8_compiled" in self.args.phases:
+                self.fp8_compiled(pipe, quantized, bf16_pixels)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             quantized = fp8_components = pipe = None
@@ -328,17 +384,40 @@ class Bench:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    def fp8_compiled(self, pipe: Any, quantized: torch.nn.Module, bf16_pixels: np.ndarray) -> None:
+        """The FP8 transformer under regional compile, once per activation scaling (set on every FP8Linear)."""
+        from fp8_cache import FP8Linear
+
+        backend = "eager" if self.args.smoke else "inductor"
+        linears = [m for m in quantized.modules() if isinstance(m, FP8Linear)]
+        for scaling in self.args.fp8_compiled_scaling:
+            for linear in linears:
+                linear.activation_scaling = scaling
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            pipe.compile_transformer(backend=backend)
+            name = "fp8_compiled" if scaling == "tensor" else f"fp8_compiled_{scaling}"
+            pixels = self.timed(name, self._omni_call, pipe, quantized, self.args.repeats,
+                                self.forwards_per_step(True))
+            self.results["phases"][name].update(first_call_and_runs_s=time.perf_counter() - start,
+                                                activation_scaling=scaling,
+                                                psnr_vs_bf16_db=psnr(pixels, bf16_pixels),
+                                                ssim_vs_bf16=ssim(pixels, bf16_pixels))
+        for linear in linears:
+            del linear.activation_scaling  # back to the class default
+
     def compiled(self, components: dict[str, Any], reference: Any, build: Callable[..., Any],
                  diffusers_processors: dict) -> None:
         transformer = components["transformer"]
         backend = "eager" if self.args.smoke else "inductor"
-        transformer.set_attn_processor(diffusers_processors)
-        torch._dynamo.reset()
-        start = time.perf_counter()
-        transformer.compile_repeated_blocks(backend=backend)
-        self.timed("diffusers_compiled", self._diffusers_call, reference, transformer, self.args.repeats,
-                   self.forwards_per_step(False))
-        self.results["phases"]["diffusers_compiled"]["first_call_and_runs_s"] = time.perf_counter() - start
+        if self.args.baseline == "diffusers":
+            transformer.set_attn_processor(diffusers_processors)
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            transformer.compile_repeated_blocks(backend=backend)
+            self.timed("diffusers_compiled", self._diffusers_call, reference, transformer, self.args.repeats,
+                       self.forwards_per_step(False))
+            self.results["phases"]["diffusers_compiled"]["first_call_and_runs_s"] = time.perf_counter() - start
         torch._dynamo.reset()
         pipe = build(components)  # installs omni's processors again
         start = time.perf_counter()
@@ -362,12 +441,14 @@ class Bench:
         reference.set_progress_bar_config(disable=True)
         diffusers_processors = dict(transformer.attn_processors)
         steps_eager = self.forwards_per_step(False)
-        diffusers_pixels = self.timed("diffusers", self._diffusers_call, reference, transformer, self.args.repeats,
-                                      steps_eager)
+        if self.args.baseline == "diffusers":
+            diffusers_pixels = self.timed("diffusers", self._diffusers_call, reference, transformer,
+                                          self.args.repeats, steps_eager)
         pipe = build(components)
         omni_pixels = self.timed("omni", self._omni_call, pipe, transformer, self.args.repeats,
                                  self.forwards_per_step(True))
-        self.results["phases"]["omni"]["psnr_vs_diffusers_db"] = psnr(omni_pixels, diffusers_pixels)
+        if self.args.baseline == "diffusers":
+            self.results["phases"]["omni"]["psnr_vs_diffusers_db"] = psnr(omni_pixels, diffusers_pixels)
         if "concurrency" in phases:
             self.concurrency(pipe)
         if "fp8" in phases:  # before compiling: the FP8 transformer (a new module) runs eager
@@ -391,7 +472,11 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
     for label, base, new, target in (("omni bf16 vs diffusers, eager", "diffusers", "omni", "omni_vs_diffusers_eager"),
                                      ("omni bf16 vs diffusers, compiled", "diffusers_compiled", "omni_compiled",
                                       "omni_vs_diffusers_compiled"),
-                                     ("omni FP8 vs omni bf16, eager", "omni", "fp8", "fp8_vs_bf16")):
+                                     ("omni FP8 vs omni bf16, eager", "omni", "fp8", "fp8_vs_bf16"),
+                                     ("omni FP8 vs omni bf16, compiled", "omni_compiled", "fp8_compiled",
+                                      "fp8_vs_bf16"),
+                                     ("omni FP8 (row scales) vs omni bf16, compiled", "omni_compiled",
+                                      "fp8_compiled_row", "fp8_vs_bf16")):
         if base in phases and new in phases:
             for key, unit in (("ms_per_step", "transformer ms/step"), ("e2e_s", "end-to-end s")):
                 value = speed(base, new, key)
@@ -401,6 +486,10 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
             value = 1 / speed("omni", "offload", key)
             target = TARGETS["offload_vs_resident_max"]
             lines.append((f"offload time / resident time ({unit})", value, target, value <= target))
+        batched = phases["offload"].get("batched")
+        if batched:
+            lines.append((f"offload time / resident time, {batched['requests']} requests together", batched["ratio"],
+                          TARGETS["offload_vs_resident_max"], batched["ratio"] <= TARGETS["offload_vs_resident_max"]))
     if "concurrency" in phases:
         value = phases["concurrency"]["throughput_ratio"]
         lines.append(("4 concurrent vs one after another (throughput)", value, TARGETS["concurrency_throughput"],
@@ -424,8 +513,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the bf16 transformer and its FP8 cache are written (removed afterwards)")
     parser.add_argument("--phases", nargs="+", default=["concurrency", "offload", "compiled", "fp8"],
-                        choices=("concurrency", "offload", "compiled", "fp8"),
+                        choices=("concurrency", "offload", "offload_batched", "compiled", "fp8", "fp8_compiled"),
                         help="phases after diffusers and omni eager (which always run)")
+    parser.add_argument("--baseline", choices=("diffusers", "none"), default="diffusers",
+                        help="'none' skips diffusers' pipeline (eager and compiled)")
+    parser.add_argument("--fp8-compiled-scaling", nargs="+", choices=("tensor", "row"), default=["tensor", "row"],
+                        help="activation scalings timed in the fp8_compiled phase")
+    parser.add_argument("--offload-batched-steps", type=int, default=8,
+                        help="steps per request in the offload_batched phase")
     args = parser.parse_args(argv)
     require_diffusers()
     if args.repeats is None:
@@ -455,7 +550,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fp8 = results["phases"]["fp8"]
         print(f"  FP8 vs bf16 image: PSNR {fp8['psnr_vs_bf16_db']:.1f} dB, SSIM {fp8['ssim_vs_bf16']:.4f} "
               f"(weights: {fp8['source']})")
-    print(f"  omni vs diffusers image (bf16 parity): PSNR {results['phases']['omni']['psnr_vs_diffusers_db']:.1f} dB")
+    if "psnr_vs_diffusers_db" in results["phases"]["omni"]:
+        print(f"  omni vs diffusers image (bf16 parity): PSNR {results['phases']['omni']['psnr_vs_diffusers_db']:.1f} dB")
     print(f"  total {results['total_s']:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"real_models_{args.family}.json").write_text(json.dumps(results, indent=1, default=str))

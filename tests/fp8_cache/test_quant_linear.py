@@ -270,3 +270,27 @@ def test_installing_a_state_dict_of_another_dtype_keeps_the_model_dtype():
         assert torch.equal(target.get_parameter(name), source.get_parameter(name).float()), name
     out = target.head(target.up(torch.randn(4, 32)))
     assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_fp8_linear_under_torch_compile_matches_eager(scaling):
+    """Under ``torch.compile`` the activation is quantized by the torch expression (which inductor fuses into the
+    producer) instead of the Triton kernels: the outputs must agree with eager, which uses those kernels on CUDA."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    linear = FP8Linear.from_linear(nn.Linear(256, 128, bias=True).to(device))
+    linear.activation_scaling = scaling
+    norm = nn.LayerNorm(256, elementwise_affine=False).to(device)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return linear(norm(x) * 1.5 + 0.25)  # an elementwise producer for inductor to fuse the quantization into
+
+    x = torch.randn(4, 64, 256, device=device, dtype=dtype)
+    eager = block(x)
+    compiled = torch.compile(block, backend="inductor" if device == "cuda" else "eager", fullgraph=True)(x)
+    assert compiled.shape == eager.shape and compiled.dtype == eager.dtype
+    # The Triton kernels multiply by the scale's reciprocal where the torch expression divides: at most a few
+    # values land one FP8 step apart, so compare within one FP8 step of the output's scale.
+    tolerance = 0.07 * eager.float().abs().max().item()
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=0, atol=tolerance)

@@ -107,7 +107,8 @@ class FP8Activation:
 def quantize_activation_rows(x: torch.Tensor) -> FP8Activation:
     """Dynamic per-row FP8 quantization of ``x [..., width]``: one scale per row (the leading dims flattened).
 
-    On CUDA one Triton pass (the row is read from memory once); elsewhere the exact torch expression. Scales
+    On CUDA one Triton pass (the row is read from memory once); elsewhere, and under ``torch.compile`` (where
+    inductor fuses it into the op that produced ``x``), the exact torch expression. Scales
     agree exactly; the CUDA pass multiplies by the scale's reciprocal, so a value within a float32 rounding of
     an FP8 rounding boundary may land one FP8 step away.
     """
@@ -116,7 +117,7 @@ def quantize_activation_rows(x: torch.Tensor) -> FP8Activation:
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    kernel = _triton_row_quantizer() if x.is_cuda else None
+    kernel = _triton_row_quantizer() if x.is_cuda and not torch.compiler.is_compiling() else None
     if kernel is not None:
         data, scale = kernel(x2d)
     else:
@@ -138,10 +139,11 @@ def _triton_row_quantizer():
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-tensor FP8 quantization of an activation: ``(contiguous x_fp8, float32 0-dim scale)``.
 
-    On CUDA this is two Triton passes with no host synchronisation; elsewhere the exact torch expression.
+    On CUDA this is two Triton passes with no host synchronisation; elsewhere, and under ``torch.compile``
+    (where inductor fuses the expression into the op that produced ``x``), the exact torch expression.
     """
     x = x.contiguous()
-    kernel = _triton_quantizer() if x.is_cuda else None
+    kernel = _triton_quantizer() if x.is_cuda and not torch.compiler.is_compiling() else None
     if kernel is not None:
         return kernel(x)
     scale = per_tensor_scale(x)
