@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni_models.attention import BACKENDS, RaggedText, attention, ragged_text
+from omni_models.attention import BACKENDS, RowLengths, attention, row_lengths
 
 
 def _reference(query, key, value, keep):
@@ -23,20 +23,28 @@ def _reference(query, key, value, keep):
     return rows
 
 
-def test_ragged_text_rows_attend_only_to_their_own_prompt_and_the_image():
+@pytest.mark.parametrize("lengths", [(16, 9, 13), (9, 13, 9), (16, 16, 16)])
+def test_ragged_rows_attend_only_to_their_own_leading_positions(lengths):
     torch.manual_seed(0)
-    padded, image = 7, 9
-    query, key, value = (torch.randn(3, padded + image, 2, 8) for _ in range(3))
-    lengths = (7, 3, 5)
-    out = attention(query, key, value, RaggedText(padded, lengths))
-    keep = [list(range(n)) + list(range(padded, padded + image)) for n in lengths]
+    padded = 16
+    query, key, value = (torch.randn(3, padded, 2, 8) for _ in range(3))
+    out = attention(query, key, value, RowLengths(lengths))
+    keep = [list(range(n)) for n in lengths]
     for r, expected in enumerate(_reference(query, key, value, keep)):
         torch.testing.assert_close(out[r, keep[r]], expected, rtol=0, atol=1e-6)
-        assert not out[r, lengths[r]:padded].any()  # padding positions produce zeros
-    assert ragged_text([4, 4], 4) is None and ragged_text([4, 3], 4) == RaggedText(4, (4, 3))
-    with pytest.raises(ValueError, match=r"must each be in \[1, 4\]"):
-        RaggedText(4, (5,))
+        assert not out[r, lengths[r]:].any()  # padding positions produce zeros
+    assert row_lengths([4, 4], 4) is None and row_lengths([4, 3], 4) == RowLengths((4, 3))
     assert [backend.name for backend in BACKENDS] == ["sdpa"]
+
+
+def test_bad_row_lengths_are_refused():
+    with pytest.raises(ValueError, match="positive ints"):
+        RowLengths((4, 0))
+    query = torch.randn(2, 4, 1, 8)
+    with pytest.raises(ValueError, match="exceed the padded length 4"):
+        attention(query, query, query, RowLengths((5, 2)))
+    with pytest.raises(ValueError, match="2 rows"):
+        attention(query, query, query, RowLengths((3,)))
 
 
 def test_the_processors_compute_what_diffusers_processors_compute():
@@ -70,8 +78,12 @@ def test_the_processors_compute_what_diffusers_processors_compute():
         padded = text.clone()
         padded[1, 4:] = 0
         ragged = qwen(**{**qwen_inputs, "encoder_hidden_states": padded, "attention_kwargs": {"text_lengths": [7, 4]}})[0]
-    assert torch.equal(ragged[0], qwen_expected[0])
+    # A ragged batch attends in [image, text] order (each row's padding is then a tail the attention skips
+    # without copies): the same keys in another order, so equal within float32 summation-order rounding.
+    torch.testing.assert_close(ragged[0], qwen_expected[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(ragged[1], row_alone[0], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"text_lengths \[7, 8\] must each be in \[1, 7\]"):
+        qwen(**{**qwen_inputs, "attention_kwargs": {"text_lengths": [7, 8]}})
 
 
 def test_omni_models_works_without_diffusers_and_says_what_to_install(flux_dev_dir):

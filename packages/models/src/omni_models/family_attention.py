@@ -5,7 +5,9 @@ projections and norms) and the hidden states, and returns the layer's outputs. T
 diffusers' own ``FluxAttnProcessor`` / ``QwenDoubleStreamAttnProcessor2_0`` compute, in the same order (so the
 same numbers), and send the attention itself through ``omni_models.attention.attention``. The Qwen-Image one
 also accepts ``text_lengths`` (through the transformer's ``attention_kwargs``), so rows whose prompts have
-different lengths can share one forward.
+different lengths can share one forward: it then orders each row ``[image, text]`` so that the padding is the
+row's tail, which the attention skips without copying Q, K or V (softmax over keys does not depend on their
+order; RoPE was applied before).
 
 Pure torch: the layer objects are diffusers modules, but nothing here imports diffusers.
 """
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from omni_models.attention import attention, ragged_text
+from omni_models.attention import attention, row_lengths
 
 
 def _heads(x: Tensor, head_dim: int) -> Tensor:
@@ -114,15 +116,20 @@ class OmniQwenImageAttnProcessor:
             image_freqs, text_freqs = image_rotary_emb
             image_query, image_key = rotate_complex(image_query, image_freqs), rotate_complex(image_key, image_freqs)
             text_query, text_key = rotate_complex(text_query, text_freqs), rotate_complex(text_key, text_freqs)
-        text_len = encoder_hidden_states.shape[1]
-        query = torch.cat([text_query, image_query], dim=1)
-        out = attention(
-            query,
-            torch.cat([text_key, image_key], dim=1),
-            torch.cat([text_value, image_value], dim=1),
-            ragged_text(text_lengths, text_len) if text_lengths is not None else None,
-        ).flatten(2, 3).to(query.dtype)
-        image_out = attn.to_out[0](out[:, text_len:].contiguous())
+        text_len, image_len = encoder_hidden_states.shape[1], hidden_states.shape[1]
+        if text_lengths is not None and not all(0 < n <= text_len for n in text_lengths):
+            raise ValueError(f"text_lengths {list(text_lengths)} must each be in [1, {text_len}]")
+        lengths = None if text_lengths is None else row_lengths([image_len + n for n in text_lengths],
+                                                                 image_len + text_len)
+        if lengths is None:  # diffusers' own order, [text, image]: the same numbers as its processor
+            out = attention(torch.cat([text_query, image_query], dim=1), torch.cat([text_key, image_key], dim=1),
+                            torch.cat([text_value, image_value], dim=1)).flatten(2, 3).to(text_query.dtype)
+            text_out, image_out = out[:, :text_len], out[:, text_len:]
+        else:
+            out = attention(torch.cat([image_query, text_query], dim=1), torch.cat([image_key, text_key], dim=1),
+                            torch.cat([image_value, text_value], dim=1), lengths).flatten(2, 3).to(text_query.dtype)
+            image_out, text_out = out[:, :image_len], out[:, image_len:]
+        image_out = attn.to_out[0](image_out.contiguous())
         if len(attn.to_out) > 1:
             image_out = attn.to_out[1](image_out)
-        return image_out, attn.to_add_out(out[:, :text_len].contiguous())
+        return image_out, attn.to_add_out(text_out.contiguous())
