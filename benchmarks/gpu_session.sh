@@ -42,7 +42,7 @@ for s in "${steps[@]}"; do
     fp8_gemm) step fp8_gemm 60 python3 benchmarks/fp8_cache.py --gemm-only --out "$R" ;;
     modulation) step modulation 60 python3 benchmarks/modulation.py --out "$R" ;;
     dit_step) step dit_step 180 python3 benchmarks/dit_step.py --out "$R" ;;
-    tests_hopper) step tests_hopper 90 python3 -m pytest -q -p no:cacheprovider tests/diffusion_kv/test_ops_flash.py \
+    tests_hopper) step tests_hopper 150 python3 -m pytest -q -p no:cacheprovider tests/diffusion_kv/test_ops_flash.py tests/diffusion_kv/test_ops_sdpa_gather.py \
                     tests/omni_models/test_fused_triton.py \
                     tests/omni_models/test_paged_pipeline.py::test_cuda_graph_steps_equal_eager_steps ;;
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
@@ -57,6 +57,16 @@ for s in "${steps[@]}"; do
                PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
     real_qwen) install_carried_wheels
                PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
+    # Shorter re-measurements of omni's own phases (no diffusers run for FLUX; Qwen keeps diffusers eager and
+    # compiled as the baseline for the ragged-attention change), FP8 online so no 24-41 GB checkpoint is written.
+    real_flux_omni) install_carried_wheels
+                    PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux_omni 420 python3 benchmarks/real_models.py --family flux \
+                      --baseline none --fp8-source online --phases compiled fp8 fp8_compiled offload offload_batched --out "$R" ;;
+    real_qwen_cfg) install_carried_wheels
+                   PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen_cfg 420 python3 benchmarks/real_models.py --family qwen-image \
+                     --fp8-source online --fp8-compiled-scaling row --phases compiled fp8 fp8_compiled --out "$R" ;;
+    tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
+                     "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;
     *) echo "unknown step $s" ;;
   esac
 done

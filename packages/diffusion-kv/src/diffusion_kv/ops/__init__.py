@@ -8,9 +8,12 @@ Both ops take one `PagedAttentionMetadata`: the forward's block tables, ragged q
 key lengths, query positions, causal prefix lengths and slot mapping, built once per forward
 (`diffusion_kv.prepare_batch` or `PagedAttentionMetadata.build`) and shared by every layer.
 
-Dispatch: `backend="auto"` runs the Triton kernels on CUDA tensors and the torch reference
-path elsewhere; `"torch"` and `"triton"` force one (`"triton"` on CPU tensors needs
-`TRITON_INTERPRET=1` set before `diffusion_kv.ops.triton_kernels` is first imported).
+Dispatch: `backend="auto"` runs, on CUDA tensors, `sdpa_gather` (the rows' pages gathered into
+contiguous K/V, then torch's SDPA, which picks cuDNN on Hopper) for rows of at least
+`SDPA_GATHER_MIN_QUERY_LEN` queries whenever `sdpa_gather.unsupported_reason` accepts the call,
+else the Triton kernels; elsewhere the torch reference path. `"torch"`, `"triton"` and `"sdpa"`
+force one (`"triton"` on CPU tensors needs `TRITON_INTERPRET=1` set before
+`diffusion_kv.ops.triton_kernels` is first imported; `"sdpa"` raises if the call is unsupported).
 Attention has two Triton kernels: `triton_flash` (TMA tile loads, Hopper and later, fp16/bf16,
 head size 64 or 128, pages a multiple of 64 tokens, a contiguous cache) wherever
 `triton_flash.supported` accepts the call, and the generic `triton_kernels` everywhere else.
@@ -29,13 +32,17 @@ from torch import Tensor
 from diffusion_kv.ops import checks, reference
 from diffusion_kv.ops.attention_metadata import PagedAttentionMetadata
 
-Backend = Literal["auto", "torch", "triton"]
-_BACKENDS = ("auto", "torch", "triton")
+Backend = Literal["auto", "torch", "triton", "sdpa"]
+_BACKENDS = ("auto", "torch", "triton", "sdpa")
+# Below this many queries per row the gather's fixed cost is not paid back; the Triton kernels run instead.
+SDPA_GATHER_MIN_QUERY_LEN = 512
 
 
 def _use_triton(backend: str, device_type: str) -> bool:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "sdpa":
+        raise ValueError("backend='sdpa' is an attention backend only; write_kv_cache takes 'auto', 'torch' or 'triton'")
     if backend == "torch":
         return False
     if backend == "triton":
@@ -100,6 +107,14 @@ def paged_attention(
         out = query.new_empty(query.shape)
     if query.shape[0] == 0:
         return out
+    if backend == "sdpa" or (backend == "auto" and query.is_cuda and metadata.max_query_len >= SDPA_GATHER_MIN_QUERY_LEN):
+        from diffusion_kv.ops import sdpa_gather
+
+        reason = sdpa_gather.unsupported_reason(query, kv_cache, metadata)
+        if reason is None:
+            return sdpa_gather.paged_attention(query, kv_cache, metadata, scale, out)
+        if backend == "sdpa":
+            raise ValueError(f"backend='sdpa' cannot run this call: {reason}; use backend='auto'")
     if _use_triton(backend, query.device.type):
         from diffusion_kv.ops import triton_flash, triton_kernels
 
@@ -109,4 +124,11 @@ def paged_attention(
     return reference.paged_attention(query, kv_cache, metadata, scale, out)
 
 
-__all__ = ["Backend", "PagedAttentionMetadata", "paged_attention", "triton_interpreter_active", "write_kv_cache"]
+__all__ = [
+    "SDPA_GATHER_MIN_QUERY_LEN",
+    "Backend",
+    "PagedAttentionMetadata",
+    "paged_attention",
+    "triton_interpreter_active",
+    "write_kv_cache",
+]

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from diffusion_kv._validation import check_positive_int, is_int
+
+
+class HostRow(NamedTuple):
+    """One row's shape as host ints (what `PagedAttentionMetadata.build` was given), for launch decisions."""
+
+    query_start: int
+    query_len: int
+    seq_len: int
+    query_pos_start: int
+    causal_prefix_len: int
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,9 @@ class PagedAttentionMetadata:
     - `causal_prefix_lens`: int32 `[R]` or None; a query at position `p < causal_prefix_lens[r]`
       attends only to keys `j <= p`, later queries to every key;
     - `block_size`: the page size the slots were computed for; `num_tokens` and `max_query_len`
-      are host copies, so a launch never reads a device tensor back.
+      are host copies, so a launch never reads a device tensor back;
+    - `host_rows`: every row's shape as host ints (`HostRow`), set by `build`; None when the
+      metadata was constructed directly (backends that need it then decline the call).
 
     `build` is the constructor: it checks every row's values on the host. The plain constructor
     checks types, shapes and devices only, and trusts the values.
@@ -49,6 +62,7 @@ class PagedAttentionMetadata:
     block_size: int
     num_tokens: int
     max_query_len: int
+    host_rows: tuple[HostRow, ...] | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("block_size", self.block_size)
@@ -80,6 +94,8 @@ class PagedAttentionMetadata:
                 raise ValueError(f"{name} is on {tensor.device} but block_tables is on {device}")
             if tensor.numel() and tensor.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in its last dim (the kernels index it densely)")
+        if self.host_rows is not None and len(self.host_rows) != num_rows:
+            raise ValueError(f"host_rows has {len(self.host_rows)} entries for {num_rows} block-table rows")
 
     @property
     def num_rows(self) -> int:
@@ -154,6 +170,12 @@ class PagedAttentionMetadata:
             block_size=block_size,
             num_tokens=num_tokens,
             max_query_len=max(query_lens, default=0),
+            host_rows=tuple(
+                HostRow(int(start), int(n), int(seq), int(pos), int(prefix))
+                for start, n, seq, pos, prefix in zip(
+                    starts, query_lens, seq_lens, query_pos_start, causal_prefix_lens or [0] * num_rows
+                )
+            ),
         )
 
 
@@ -171,4 +193,4 @@ def _slot_mapping(
     return blocks * block_size + positions % block_size
 
 
-__all__ = ["PagedAttentionMetadata"]
+__all__ = ["HostRow", "PagedAttentionMetadata"]
