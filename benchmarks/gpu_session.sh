@@ -28,6 +28,8 @@ install_carried_wheels() {
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
 
+# Carried wheels (.whl/: msgspec for fp8_cache's manifest, the web stack, diffusers) go on the path of every step.
+if [ -d .whl ]; then install_carried_wheels; export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
 # A snapshot (benchmarks/README.md) names its commit in COMMIT; the device copy of a working tree has no .git.
@@ -62,6 +64,9 @@ for s in "${steps[@]}"; do
     real_flux_omni) install_carried_wheels
                     PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux_omni 420 python3 benchmarks/real_models.py --family flux \
                       --baseline none --fp8-source online --phases compiled fp8 fp8_compiled offload offload_batched --out "$R" ;;
+    real_flux_fp8) install_carried_wheels
+                   PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux_fp8 300 python3 benchmarks/real_models.py --family flux \
+                     --baseline none --fp8-source online --fp8-compiled-scaling row tensor --phases compiled fp8 fp8_compiled --out "$R" ;;
     real_qwen_cfg) install_carried_wheels
                    PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen_cfg 420 python3 benchmarks/real_models.py --family qwen-image \
                      --fp8-source online --fp8-compiled-scaling row --phases compiled fp8 fp8_compiled --out "$R" ;;
