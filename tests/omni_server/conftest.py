@@ -171,3 +171,32 @@ class Tools:
 @pytest.fixture(scope="session")
 def tools() -> type[Tools]:
     return Tools
+
+
+# --- the real families: tiny random-weight diffusers checkpoints written here (no hub) ------------------------------
+
+
+def image_psnr(a, b) -> float:
+    """PSNR in dB between two 8-bit images (PIL or arrays); inf when identical."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0**2 / mse))
+
+
+Tools.psnr = staticmethod(image_psnr)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{"flux": FLUX.1-dev dir, "qwen-image": Qwen-Image dir}``: tiny configs, random weights, sharded."""
+    pytest.importorskip("diffusers")
+    from omni_models import synthetic
+
+    dirs = {}
+    for family, build in (("flux", synthetic.flux_components), ("qwen-image", synthetic.qwen_image_components)):
+        directory = tmp_path_factory.mktemp(family)
+        dirs[family] = synthetic.save_checkpoint(family, build("tiny"), directory, max_shard_size="40KB")
+    return dirs
