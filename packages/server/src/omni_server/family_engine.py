@@ -186,7 +186,7 @@ class FamilyEngine:
 
     def step(self) -> list[EngineOutput]:
         admitted = []
-        while self._waiting and len(self._running) < self._config.max_num_seqs:
+        while self._waiting and len(self._running) + len(admitted) < self._config.max_num_seqs:
             request = self._waiting.popleft()
             request.timer.mark_scheduled()
             admitted.append(request)
