@@ -133,9 +133,9 @@ class FamilyEngine:
         return self._card
 
     def _warm_up(self) -> None:
-        """One real one-step request at the smallest size through every path (encode, step, decode)."""
+        """One real two-step request at the smallest size through every path (encode, step, decode)."""
         side = self._card.size_range.min_side if self._card.size_range else self._card.default_size[0]
-        self.add("warmup", GenerationParams(prompt="warm up", num_inference_steps=1, height=side, width=side, seed=0))
+        self.add("warmup", GenerationParams(prompt="warm up", num_inference_steps=2, height=side, width=side, seed=0))
         deadline = time.monotonic() + 600
         outputs: list[EngineOutput] = []
         while not any(isinstance(o, RequestFinished) for o in outputs):
