@@ -200,3 +200,36 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         directory = tmp_path_factory.mktemp(family)
         dirs[family] = synthetic.save_checkpoint(family, build("tiny"), directory, max_shard_size="40KB")
     return dirs
+
+
+@pytest.fixture
+def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Headless Chromium through the system chromedriver; nothing leaves the machine.
+
+    Passing the driver's path skips Selenium Manager (which would look a driver up online); its statistics are
+    off and it is offline in case anything calls it; the browser resolves no host but the loopback server.
+    """
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver_path is None:
+        pytest.skip("needs Chromium and its driver (Debian: apt-get install chromium chromium-driver; "
+                    "tests/run_matrix.sh installs them)")
+    monkeypatch.setenv("SE_AVOID_STATS", "true")
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1, EXCLUDE localhost",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -115,9 +115,24 @@ HTTP_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def family_server(family_dirs, server_factory):
+    """``family_server(family)``: one real ``omni-server serve DIR`` per family for this module, on loopback."""
+    started = {}
+
+    def get(family: str):
+        if family not in started:
+            started[family] = server_factory(str(family_dirs[family]), "--served-model-name", family)
+        return started[family]
+
+    yield get
+    for handle in started.values():
+        handle.stop()
+
+
 @pytest.mark.parametrize("family", ["flux", "qwen-image"])
-def test_http_api_draws_what_diffusers_draws_for_concurrent_requests(family, family_dirs, server_factory, tools) -> None:
-    server = server_factory(str(family_dirs[family]), "--served-model-name", family)
+def test_http_api_draws_what_diffusers_draws_for_concurrent_requests(family, family_dirs, family_server, tools) -> None:
+    server = family_server(family)
     with server.client(timeout=300) as client:
         model = client.get("/v1/models").json()["data"][0]
         assert (model["id"], model["family"]) == (family, family)
@@ -160,3 +175,50 @@ def test_offload_equals_plain_exactly_and_fp8_stays_within_its_bound(family_dirs
     figure = tools.psnr(fp8, plain)
     print(f"flux FP8 vs fp32 through generate: {figure:.1f} dB")
     assert figure >= 35.0
+
+
+def test_playground_offers_the_family_fields_shows_progress_keeps_a_gallery_and_clears_on_failure(
+        family_server, browser, family_dirs, tools) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = family_server("flux")
+    driver = browser
+    driver.get(server.url + "/")
+    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "family").text == "(flux, flux.1-dev)")
+    for field in ("prompt", "negative", "size", "steps", "guidance", "true-cfg", "n", "seed"):
+        assert driver.find_element(By.ID, field).is_displayed(), field
+    assert "multiples of" in driver.find_element(By.ID, "size-rule").text
+
+    def fill(**values: str) -> None:
+        for field, value in values.items():
+            element = driver.find_element(By.ID, field)
+            element.clear()
+            element.send_keys(value)
+        driver.find_element(By.ID, "generate").click()
+
+    fill(prompt="a photo of a cat in the snow", negative="blurry", size="32x32", steps="3", guidance="3.5",
+         **{"true-cfg": "2"}, n="2", seed="5")
+    WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith("Done"))
+    assert driver.find_element(By.ID, "status").text == "Done (3/3 steps)."
+    progress = driver.find_element(By.ID, "progress")
+    assert (progress.get_attribute("value"), progress.get_attribute("max")) == ("3", "3")
+    figures = driver.find_elements(By.CSS_SELECTOR, "#gallery figure")
+    assert len(figures) == 2
+    captions = [f.find_element(By.TAG_NAME, "figcaption").text for f in figures]
+    assert all("negative_prompt: blurry" in c and "size: 32x32" in c and "true_cfg_scale: 2" in c for c in captions)
+    assert sorted(c.rsplit("image_seed: ", 1)[1] for c in captions) == ["5", "6"]
+    # The shown image is diffusers' image for seed 5 (decoded from the page's data URL).
+    src = driver.find_element(By.ID, "result").get_attribute("src")
+    shown = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+    expected = _expected(_reference("flux", family_dirs["flux"]), 5, prompt="a photo of a cat in the snow",
+                         negative_prompt="blurry", height=32, width=32, num_inference_steps=3, guidance_scale=3.5,
+                         true_cfg_scale=2.0)
+    assert tools.psnr(shown, expected) >= TARGET_DB
+    # A failing request clears the old image and names the field; the gallery keeps this session's images.
+    fill(size="33x32")
+    WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "status").text.startswith("Error"))
+    assert driver.find_element(By.ID, "status").text.startswith("Error: size: size 33x32 is not supported")
+    result = driver.find_element(By.ID, "result")
+    assert not result.is_displayed() and not result.get_attribute("src")
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#gallery figure")) == 2
