@@ -138,6 +138,7 @@ def test_http_api_draws_what_diffusers_draws_for_concurrent_requests(family, fam
         assert (model["id"], model["family"]) == (family, family)
         multiple = model["size_range"]["multiple"]
         assert model["size_range"]["min_side"] == multiple and "true_cfg_scale" in model["accepts"]
+        assert (model["max_inference_steps"], model["max_images_per_request"]) == (1000, 10)
         # Any multiple of the pixel granularity within the limits; anything else is a 400 naming `size`.
         for size in (f"{multiple + 1}x32", f"32x{model['size_range']['max_side'] + multiple}"):
             error = client.post("/v1/images/generations", json={"prompt": "a cat", "size": size}).json()["error"]

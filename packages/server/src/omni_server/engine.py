@@ -84,6 +84,7 @@ def model_card(pipeline: Any, served_name: str) -> ModelCard:
         variant=str(info.name),
         accepts=list(DIT_REQUEST_FIELDS),
         max_images_per_request=MAX_IMAGES_PER_REQUEST,
+        max_inference_steps=int(info.max_inference_steps),
     )
 
 

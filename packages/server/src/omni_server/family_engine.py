@@ -75,6 +75,7 @@ def family_card(info: Any, served_name: str) -> ModelCard:
         default_true_cfg_scale=float(info.default_true_cfg_scale),
         default_negative_prompt=info.default_negative_prompt,
         max_images_per_request=min(int(info.max_images_per_request), MAX_IMAGES_PER_REQUEST),
+        max_inference_steps=int(info.max_inference_steps),
     )
 
 

@@ -73,6 +73,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     default_true_cfg_scale: float | None = None
     default_negative_prompt: str | None = None
     max_images_per_request: int | None = None
+    max_inference_steps: int | None = None
 
     def size_problem(self, height: int, width: int) -> str | None:
         """Why ``height`` x ``width`` is refused (a message naming the supported sizes), or None if accepted."""

@@ -70,6 +70,7 @@ class ModelObject(BaseModel):
     default_true_cfg_scale: float | None = None
     default_negative_prompt: str | None = None
     max_images_per_request: int | None = None
+    max_inference_steps: int | None = None
     max_prompt_tokens: int | None = None
 
 
@@ -90,7 +91,7 @@ def model_object(card: ModelCard, created: int) -> ModelObject:
                                                     "max_side": size_range.max_side},
         accepts=list(card.accepts), default_true_cfg_scale=card.default_true_cfg_scale,
         default_negative_prompt=card.default_negative_prompt, max_images_per_request=card.max_images_per_request,
-        max_prompt_tokens=card.max_prompt_tokens,
+        max_inference_steps=card.max_inference_steps, max_prompt_tokens=card.max_prompt_tokens,
     )
 
 
