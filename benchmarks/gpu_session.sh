@@ -57,6 +57,9 @@ for s in "${steps[@]}"; do
     # The real families need diffusers (and requests), carried in .whl/ too; one family per device call.
     real_flux) install_carried_wheels
                PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
+    # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
+    real_engine) install_carried_wheels
+               PYTHONPATH=/tmp/site:$PYTHONPATH step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
     real_qwen) install_carried_wheels
                PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
     # Shorter re-measurements of omni's own phases (no diffusers run for FLUX; Qwen keeps diffusers eager and

@@ -16,6 +16,11 @@ and VAE decode; medians with min/max):
 - ``concurrency``: 4 requests with different prompts through the stepwise batched API, one after another vs.
   all at once (one forward per step for all of them); throughput ratio and request-latency p50/p99 (all
   submitted at t=0);
+- ``engine``: the same 4 requests through omni-server's engine for the families (``omni_server.family_engine.
+  FamilyEngine``, in this process: admission, text encoders once per request, one batched step for every
+  running request, batched VAE decode, PNG encoding), served one after another vs. all submitted at once;
+  throughput ratio and request-latency p50/p99 (all submitted at t=0). Needs ``omni-server`` importable (its
+  engine needs msgspec and pydantic, not vLLM, FastAPI or uvicorn);
 - ``fp8``: omni with FP8 linears (fp8_cache, the family's ignore list), eager. With ``--fp8-source cache``
   (default) the bf16 transformer is written to ``--work-dir`` as safetensors, the FP8 cache built from it
   (cold), and the timed pipeline loads its transformer from the warm cache; when the work dir lacks space for
@@ -35,7 +40,7 @@ and VAE decode; medians with min/max):
 ``--baseline none`` skips diffusers (eager and compiled) for a shorter run that re-measures omni's own phases.
 
 Ratios are printed against the targets (omni bf16 >= 1.0x diffusers, eager and compiled; FP8 >= 1.3x omni bf16;
-offload <= 1.10x resident; concurrency >= 1.3x) and every number lands in ``DIR/real_models_<family>.json``.
+offload <= 1.10x resident; concurrency and engine >= 1.3x) and every number lands in ``DIR/real_models_<family>.json``.
 Needs diffusers (not in the GPU image: carry its wheel, see benchmarks/README.md).
 """
 
@@ -277,6 +282,58 @@ class Bench:
         self.log(f"concurrency: 4 requests x {steps} steps: {sequential[-1]:.2f} s one after another, "
                  f"{concurrent[-1]:.2f} s together -> {ratio:.2f}x throughput")
 
+    def engine(self, pipe: Any) -> None:
+        """4 requests through omni-server's family engine: one after another, then all at once."""
+        from omni_server.config import build_config
+        from omni_server.family_engine import FamilyEngine
+        from omni_server.protocol import GenerationParams, RequestFinished
+
+        r, steps = self.request, self.args.concurrency_steps or self.request["steps"]
+        config = build_config(None, model=f"random-{self.args.family}", device=str(self.device), warmup=False,
+                              max_num_seqs=4)
+        engine = FamilyEngine(pipe, config)
+        cfg = r["true_cfg_scale"] if r["negative_prompt"] is not None else None
+
+        def params(index: int) -> GenerationParams:
+            return GenerationParams(prompt=PROMPTS[index], negative_prompt=r["negative_prompt"],
+                                    num_inference_steps=steps, guidance_scale=r["guidance_scale"],
+                                    true_cfg_scale=cfg, height=r["size"], width=r["size"], seed=self.seed + index)
+
+        def serve(indices: list[int], t0: float) -> list[float]:
+            """Add the requests, run the engine until each finished; seconds from ``t0`` to each finish."""
+            for i in indices:
+                engine.add(f"r{i}", params(i))
+            done: dict[str, float] = {}
+            while len(done) < len(indices):
+                for output in engine.step():
+                    if isinstance(output, RequestFinished):
+                        if output.error is not None:
+                            raise RuntimeError(f"engine request {output.request_id} failed: {output.error.message}")
+                        synchronize(self.device)
+                        done[output.request_id] = time.perf_counter() - t0
+            return [done[f"r{i}"] for i in indices]
+
+        serve([0], time.perf_counter())  # warm-up at this shape
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        sequential = [serve([i], t0)[0] for i in range(4)]
+        synchronize(self.device)
+        concurrent = serve(list(range(4)), time.perf_counter())
+        ratio = max(sequential) / max(concurrent)
+        self.results["phases"]["engine"] = {
+            "steps": steps, "requests": 4, "engine": "omni_server.family_engine.FamilyEngine (in process)",
+            "sequential_total_s": max(sequential), "concurrent_total_s": max(concurrent), "throughput_ratio": ratio,
+            "sequential_latency_s": {"p50": float(np.percentile(sequential, 50)),
+                                     "p99": float(np.percentile(sequential, 99))},
+            "concurrent_latency_s": {"p50": float(np.percentile(concurrent, 50)),
+                                     "p99": float(np.percentile(concurrent, 99))},
+        }
+        self.log(f"engine: 4 requests x {steps} steps: {max(sequential):.2f} s one after another, "
+                 f"{max(concurrent):.2f} s together -> {ratio:.2f}x throughput; latency p50/p99 "
+                 f"{np.percentile(sequential, 50):.2f}/{np.percentile(sequential, 99):.2f} s vs "
+                 f"{np.percentile(concurrent, 50):.2f}/{np.percentile(concurrent, 99):.2f} s")
+        engine.close()
+
     def offload(self, components: dict[str, Any], build: Callable[..., Any], resident_pixels: np.ndarray) -> None:
         """Offload the resident transformer in place (its block bytes are packed straight from the device into
         pinned host buffers), time it, then put it back on the device."""
@@ -451,6 +508,8 @@ class Bench:
             self.results["phases"]["omni"]["psnr_vs_diffusers_db"] = psnr(omni_pixels, diffusers_pixels)
         if "concurrency" in phases:
             self.concurrency(pipe)
+        if "engine" in phases:
+            self.engine(pipe)
         if "fp8" in phases:  # before compiling: the FP8 transformer (a new module) runs eager
             self.fp8(components, build, omni_pixels)
         if "offload" in phases:  # before compiling: offload's hooks must run outside compiled blocks
@@ -490,10 +549,11 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
         if batched:
             lines.append((f"offload time / resident time, {batched['requests']} requests together", batched["ratio"],
                           TARGETS["offload_vs_resident_max"], batched["ratio"] <= TARGETS["offload_vs_resident_max"]))
-    if "concurrency" in phases:
-        value = phases["concurrency"]["throughput_ratio"]
-        lines.append(("4 concurrent vs one after another (throughput)", value, TARGETS["concurrency_throughput"],
-                      value >= TARGETS["concurrency_throughput"]))
+    for phase, label in (("concurrency", "stepwise API"), ("engine", "omni-server engine")):
+        if phase in phases:
+            value = phases[phase]["throughput_ratio"]
+            lines.append((f"4 concurrent vs one after another, {label} (throughput)", value,
+                          TARGETS["concurrency_throughput"], value >= TARGETS["concurrency_throughput"]))
     return lines
 
 
@@ -512,8 +572,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fp8-source", choices=("cache", "online"), default="cache")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the bf16 transformer and its FP8 cache are written (removed afterwards)")
-    parser.add_argument("--phases", nargs="+", default=["concurrency", "offload", "compiled", "fp8"],
-                        choices=("concurrency", "offload", "offload_batched", "compiled", "fp8", "fp8_compiled"),
+    parser.add_argument("--phases", nargs="+", default=["concurrency", "engine", "offload", "compiled", "fp8"],
+                        choices=("concurrency", "engine", "offload", "offload_batched", "compiled", "fp8",
+                                 "fp8_compiled"),
                         help="phases after diffusers and omni eager (which always run)")
     parser.add_argument("--baseline", choices=("diffusers", "none"), default="diffusers",
                         help="'none' skips diffusers' pipeline (eager and compiled)")

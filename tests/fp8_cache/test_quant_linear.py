@@ -256,6 +256,13 @@ def test_fp8_weight_names_are_what_quantize_model_swaps_and_change_nothing():
     assert quantize_model(model, ignore=["head"]).quantized_weight_names == names
 
 
+def test_fp8_weight_names_of_a_meta_model_are_those_of_its_loaded_form():
+    with torch.device("meta"):
+        model = _Mixed(torch.float32)
+    assert fp8_weight_names(model, ignore=["head"]) == ["up.weight"]
+    assert quantize_model(model, ignore=["head"]).quantized == []  # quantizing still needs loaded weights
+
+
 def test_installing_a_state_dict_of_another_dtype_keeps_the_model_dtype():
     torch.manual_seed(0)
     source = _Mixed(torch.bfloat16)  # e.g. a bf16 checkpoint

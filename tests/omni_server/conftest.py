@@ -171,3 +171,65 @@ class Tools:
 @pytest.fixture(scope="session")
 def tools() -> type[Tools]:
     return Tools
+
+
+# --- the real families: tiny random-weight diffusers checkpoints written here (no hub) ------------------------------
+
+
+def image_psnr(a, b) -> float:
+    """PSNR in dB between two 8-bit images (PIL or arrays); inf when identical."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0**2 / mse))
+
+
+Tools.psnr = staticmethod(image_psnr)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{"flux": FLUX.1-dev dir, "qwen-image": Qwen-Image dir}``: tiny configs, random weights, sharded."""
+    pytest.importorskip("diffusers")
+    from omni_models import synthetic
+
+    dirs = {}
+    for family, build in (("flux", synthetic.flux_components), ("qwen-image", synthetic.qwen_image_components)):
+        directory = tmp_path_factory.mktemp(family)
+        dirs[family] = synthetic.save_checkpoint(family, build("tiny"), directory, max_shard_size="40KB")
+    return dirs
+
+
+@pytest.fixture
+def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Headless Chromium through the system chromedriver; nothing leaves the machine.
+
+    Passing the driver's path skips Selenium Manager (which would look a driver up online); its statistics are
+    off and it is offline in case anything calls it; the browser resolves no host but the loopback server.
+    """
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver_path is None:
+        pytest.skip("needs Chromium and its driver (Debian: apt-get install chromium chromium-driver; "
+                    "tests/run_matrix.sh installs them)")
+    monkeypatch.setenv("SE_AVOID_STATS", "true")
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1, EXCLUDE localhost",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()

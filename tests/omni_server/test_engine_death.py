@@ -63,13 +63,24 @@ def test_sigkill_of_the_engine_fails_fast_and_leaves_no_orphans(server_factory, 
 
 
 def test_engine_start_up_failure_exits_nonzero_with_the_reason(tmp_path, tools) -> None:
+    # A KV budget of one byte passes the checkpoint check but cannot hold a single block: the engine fails.
     port = tools.free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "omni_server", "serve", str(tmp_path / "no-such-model"), "--device", "cpu",
-         "--port", str(port)],
+        [sys.executable, "-m", "omni_server", "serve", "--device", "cpu", "--port", str(port),
+         "--kv-cache-memory-bytes", "1"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 1
     assert "engine failed to start" in result.stderr
-    assert "no-such-model" in result.stderr
+    assert "cannot size the KV pool" in result.stderr
+
+
+def test_an_unknown_model_stops_serve_before_the_engine_starts(tmp_path, tools) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_server", "serve", str(tmp_path / "no-such-model"), "--device", "cpu",
+         "--port", str(tools.free_port())],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "no-such-model" in result.stderr and "engine" not in result.stderr
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import shutil
 import socket
 import threading
 import time
@@ -401,50 +400,28 @@ def test_schema_violations_get_400_naming_the_field(server, request_schema) -> N
 # -- the playground page in headless Chromium ---------------------------------------------------------
 
 
-def test_playground_types_a_prompt_and_shows_an_image(server, tmp_path, monkeypatch) -> None:
-    """Headless Chromium through the system chromedriver; nothing leaves the machine.
-
-    Passing the driver's path skips Selenium Manager (which would look a driver up online); its statistics are
-    off and it is offline in case anything calls it; the browser resolves no host but the loopback server.
-    """
-    from selenium import webdriver
+def test_playground_types_a_prompt_and_shows_an_image(server, browser) -> None:
+    """Headless Chromium through the system chromedriver; nothing leaves the machine (see the ``browser`` fixture)."""
     from selenium.common.exceptions import WebDriverException
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if browser is None or driver_path is None:
-        pytest.skip("needs Chromium and its driver (Debian: apt-get install chromium chromium-driver; "
-                    "tests/run_matrix.sh installs them)")
-    monkeypatch.setenv("SE_AVOID_STATS", "true")
-    monkeypatch.setenv("SE_OFFLINE", "true")
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1, EXCLUDE localhost",
-                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    try:
-        driver.set_page_load_timeout(30)
-        driver.get(server.url + "/")
-        assert "omni-server" in driver.title
-        driver.find_element(By.ID, "prompt").send_keys("a green circle on a white background")
-        driver.find_element(By.ID, "steps").send_keys("2")
-        driver.find_element(By.ID, "generate").click()
-        result = WebDriverWait(driver, 60).until(expected_conditions.visibility_of_element_located((By.ID, "result")))
-        assert result.get_attribute("src").startswith("data:image/png;base64,")
-        WebDriverWait(driver, 10).until(
-            lambda d: d.execute_script("const i = document.getElementById('result'); return i.complete && i.naturalWidth > 0;"))
-        assert driver.find_element(By.ID, "status").text == "Done."
-        # Any other host is unresolvable for this browser (the rule is checked, not assumed).
-        with pytest.raises(WebDriverException, match="ERR_NAME_NOT_RESOLVED"):
-            driver.get("http://example.com/")
-    finally:
-        driver.quit()
+    driver = browser
+    driver.set_page_load_timeout(30)
+    driver.get(server.url + "/")
+    assert "omni-server" in driver.title
+    driver.find_element(By.ID, "prompt").send_keys("a green circle on a white background")
+    driver.find_element(By.ID, "steps").send_keys("2")
+    driver.find_element(By.ID, "generate").click()
+    result = WebDriverWait(driver, 60).until(expected_conditions.visibility_of_element_located((By.ID, "result")))
+    assert result.get_attribute("src").startswith("data:image/png;base64,")
+    WebDriverWait(driver, 10).until(
+        lambda d: d.execute_script("const i = document.getElementById('result'); return i.complete && i.naturalWidth > 0;"))
+    assert driver.find_element(By.ID, "status").text == "Done (2/2 steps)."
+    # Any other host is unresolvable for this browser (the rule is checked, not assumed).
+    with pytest.raises(WebDriverException, match="ERR_NAME_NOT_RESOLVED"):
+        driver.get("http://example.com/")
 
 
 # -- last: kill the API process itself --------------------------------------------------------------------

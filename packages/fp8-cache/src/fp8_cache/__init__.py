@@ -8,7 +8,7 @@ weights on a device from a hit (bit-identical to online quantization) or quantiz
 :func:`load_fp8_cache_manifest` / :func:`check_artifact` / :func:`verify_artifact` validate without raising.
 """
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
 
 from fp8_cache.artifact import (
     CACHE_COMPLETE_NAME,

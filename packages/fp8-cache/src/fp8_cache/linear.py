@@ -337,8 +337,13 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def _select_linears(model: nn.Module, ignore: Sequence[str]) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
-    """(the ``nn.Linear`` layers FP8 applies to, {kept layer: reason}): the one eligibility rule of this library."""
+def _select_linears(
+    model: nn.Module, ignore: Sequence[str], *, names_only: bool = False
+) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
+    """(the ``nn.Linear`` layers FP8 applies to, {kept layer: reason}): the one eligibility rule of this library.
+
+    ``names_only``: the caller wants names, not weights, so a weight on the meta device counts as it will once
+    loaded (a model built on the meta device names the weights its loaded form would quantize)."""
     if isinstance(ignore, str):
         raise TypeError("ignore must be a sequence of fnmatch patterns, not a single string; wrap it in a list")
     candidates: list[tuple[str, nn.Linear]] = []
@@ -351,7 +356,7 @@ def _select_linears(model: nn.Module, ignore: Sequence[str]) -> tuple[list[tuple
             skipped[name] = f"matches ignore pattern {pattern!r}"
         elif (reason := ineligible_weight_reason(module.weight.shape, module.weight.dtype)) is not None:
             skipped[name] = reason
-        elif module.weight.device.type == "meta":
+        elif module.weight.device.type == "meta" and not names_only:
             skipped[name] = "weight is on the meta device; load weights before quantizing"
         else:
             candidates.append((name, module))
@@ -362,9 +367,10 @@ def fp8_weight_names(model: nn.Module, *, ignore: Sequence[str] = ()) -> list[st
     """State-dict names of the weights :func:`quantize_model` would make FP8, without changing ``model``.
 
     Pass them as ``quantize=`` to :func:`load_fp8_weights` so a cache holds exactly what online quantization
-    would produce (a name pattern alone would also match, say, an embedding table).
+    would produce (a name pattern alone would also match, say, an embedding table). Works on a model built on the
+    meta device (shapes and dtypes decide, not values), so a loader can ask before reading any weight.
     """
-    candidates, _ = _select_linears(model, ignore)
+    candidates, _ = _select_linears(model, ignore, names_only=True)
     return [f"{name}.weight" for name, _ in candidates]
 
 

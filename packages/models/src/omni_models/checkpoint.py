@@ -55,6 +55,18 @@ def save_weights(state: dict[str, torch.Tensor], directory: Path, *, max_shard_b
     return paths
 
 
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory (``model.safetensors``, or the shards its index names)."""
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    index_path = directory / INDEX_NAME
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+    weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    return [directory / name for name in sorted(set(weight_map.values()))]
+
+
 def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Read the weights of a model directory (single file or sharded with an index)."""
     single = directory / WEIGHTS_NAME

@@ -487,7 +487,7 @@ class QwenImageBackend(_Backend):
 
     def describe(self, name: str) -> FamilyInfo:
         return self._info(name, variant="qwen-image", default_steps=50, default_true_cfg_scale=4.0,
-                          embedded_guidance=False, default_guidance_scale=None)
+                          embedded_guidance=False, default_guidance_scale=None, default_negative_prompt=" ")
 
     def encode(self, prompt: str) -> TextEmbedding:
         tokens, mask = self.pipeline.encode_prompt(
@@ -560,6 +560,45 @@ def build_family_pipeline(
     return FamilyPipeline(backend, name=name, device=device, dtype=dtype, offload=offload, fp8=fp8)
 
 
+@dataclass
+class PreflightedCheckpoint:
+    """A checkpoint whose metadata passed every check: its family, its model components (config and weight files
+    checked against a meta-device model), and its tokenizers and scheduler (host objects, already built)."""
+
+    spec: FamilySpec
+    models: dict[str, PreflightedModel]
+    host_components: dict[str, Any]
+
+
+def preflight_family_checkpoint(directory: Path) -> PreflightedCheckpoint:
+    """Check a diffusers checkpoint without reading any tensor data or touching a device.
+
+    Raises ``CheckpointError`` (one line: the file and the problem) for a directory without ``model_index.json``,
+    an unknown ``_class_name`` or component class, a missing/truncated/corrupt shard, a config that disagrees with
+    its weights, or components that do not fit each other. Reads JSON, safetensors headers and tokenizer files.
+    """
+    index = read_pipeline_index(directory)
+    spec = FAMILIES.get(index.class_name)
+    if spec is None:
+        raise CheckpointError(index.path, f"unknown _class_name {index.class_name!r}; supported: "
+                                          f"{', '.join(sorted(FAMILIES))}")
+    entries = _check_components(index, spec)
+    models: dict[str, PreflightedModel] = {}
+    host_components: dict[str, Any] = {}
+    for slot_name, slot in spec.slots.items():
+        entry = entries[slot_name]
+        if slot.kind == "model":
+            cls = library_class(slot.library, entry.class_name)
+            preflight = _preflight_diffusers_model if slot.library == "diffusers" else _preflight_transformers_model
+            models[slot_name] = preflight(entry, cls)
+        elif slot.kind == "tokenizer":
+            host_components[slot_name] = _load_tokenizer(entry)
+        else:
+            host_components[slot_name] = _load_scheduler(entry)
+    _check_family_configs(spec, models)
+    return PreflightedCheckpoint(spec, models, host_components)
+
+
 def load_family_pipeline(
     directory: Path,
     *,
@@ -583,25 +622,8 @@ def load_family_pipeline(
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     if fp8_cache_dir is not None and quantization != "fp8":
         raise ValueError("fp8_cache_dir needs quantization='fp8'")
-    index = read_pipeline_index(directory)
-    spec = FAMILIES.get(index.class_name)
-    if spec is None:
-        raise CheckpointError(index.path, f"unknown _class_name {index.class_name!r}; supported: "
-                                          f"{', '.join(sorted(FAMILIES))}")
-    entries = _check_components(index, spec)
-    models: dict[str, PreflightedModel] = {}
-    host_components: dict[str, Any] = {}
-    for slot_name, slot in spec.slots.items():
-        entry = entries[slot_name]
-        if slot.kind == "model":
-            cls = library_class(slot.library, entry.class_name)
-            preflight = _preflight_diffusers_model if slot.library == "diffusers" else _preflight_transformers_model
-            models[slot_name] = preflight(entry, cls)
-        elif slot.kind == "tokenizer":
-            host_components[slot_name] = _load_tokenizer(entry)
-        else:
-            host_components[slot_name] = _load_scheduler(entry)
-    _check_family_configs(spec, models)
+    checked = preflight_family_checkpoint(directory)
+    spec, models, host_components = checked.spec, checked.models, checked.host_components
 
     loaded: dict[str, Any] = {}
     try:

@@ -81,6 +81,11 @@ class FamilyInfo:
     default_true_cfg_scale: float
     embedded_guidance: bool         # guidance_scale applies (an input of the model, no extra row)
     default_guidance_scale: float | None
+    # What a server uses when a request gives no negative prompt (None: no true CFG without one). Qwen-Image's
+    # default true_cfg_scale 4.0 only applies with a negative prompt, so servers default it to " " (what diffusers'
+    # QwenImagePipeline documents for CFG without a negative). The pipeline's own ``__call__``/``prepare`` keep
+    # diffusers' default (None), so a direct call and diffusers' call stay the same call.
+    default_negative_prompt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ from omni_models.sampling import generate_dense
 from omni_models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from dlo_offload import LayerwiseOffload
+
     from omni_models.families import FamilyPipeline
 
 AttentionBackend = Literal["paged", "dense"]
@@ -77,12 +79,19 @@ class Pipeline:
         dtype: torch.dtype,
         attention_backend: AttentionBackend = "paged",
         cuda_graphs: bool = False,
+        offload: LayerwiseOffload | None = None,
     ) -> None:
+        """``device`` is where latents, KV caches and compute live; with layerwise offload (``offload``, the handle
+        ``dlo_offload.enable_layerwise_offload`` returned, kept here so its streams and host buffers live as long as
+        the pipeline) the blocks' weights stay in host memory and stream to ``device``."""
         if attention_backend not in ("paged", "dense"):
             raise ValueError(f"attention_backend must be 'paged' or 'dense', got {attention_backend!r}")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if offload is not None and cuda_graphs:
+            raise ValueError("cuda_graphs cannot be combined with layerwise offload (its hooks move weights)")
         self.model = model.eval()
+        self.offload = offload
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype

@@ -30,14 +30,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omni_server.client import EngineClient, EngineDeadError, EngineNotReadyError
 from omni_server.config import ServerConfig
 from omni_server.metrics import ServerMetrics
-from omni_server.protocol import GenerationParams, ModelCard, RequestFinished
+from omni_server.progress import PROGRESS_HEADER, ProgressBoard, progress_router
+from omni_server.protocol import EngineStats, GenerationParams, ModelCard, RequestFinished
 from omni_server.schemas import (
     ErrorResponse,
     ImageData,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelList,
-    ModelObject,
+    model_object,
 )
 
 logger = logging.getLogger("omni_server.api")
@@ -94,9 +95,9 @@ def _parse_size(size: str | None, card: ModelCard) -> tuple[int | None, int | No
     if size is None:
         return None, None
     width, height = (int(part) for part in size.split("x"))
-    if (height, width) not in card.sizes:
-        supported = ", ".join(f"{w}x{h}" for h, w in card.sizes)
-        raise invalid_field("size", f"size {size} is not supported by {card.name}; supported sizes: {supported}")
+    problem = card.size_problem(height, width)
+    if problem is not None:
+        raise invalid_field("size", problem)
     return height, width
 
 
@@ -109,7 +110,13 @@ async def _wait_for_disconnect(request: Request) -> None:
 def create_app(config: ServerConfig, *, on_engine_failure: Callable[[str], None] | None = None) -> FastAPI:
     """Build the app; its lifespan starts the engine process and stops it on shutdown."""
     metrics = ServerMetrics(config.model_name)
-    client = EngineClient(config, on_stats=metrics.update_engine)
+    progress = ProgressBoard()
+
+    def on_stats(stats: EngineStats) -> None:
+        metrics.update_engine(stats)
+        progress.update(stats)
+
+    client = EngineClient(config, on_stats=on_stats)
 
     def watch_start_up() -> None:
         try:
@@ -171,12 +178,7 @@ def create_app(config: ServerConfig, *, on_engine_failure: Callable[[str], None]
     async def list_models() -> ModelList:
         if client.ready_info is None:
             raise _unavailable(client)
-        card = client.ready_info.card
-        return ModelList(data=[ModelObject(
-            id=card.name, created=_STARTED_AT, sizes=[f"{w}x{h}" for h, w in card.sizes],
-            default_size=f"{card.default_size[1]}x{card.default_size[0]}",
-            default_num_inference_steps=card.default_steps, default_guidance_scale=card.default_guidance_scale,
-        )])
+        return ModelList(data=[model_object(client.ready_info.card, _STARTED_AT)])
 
     @app.post("/v1/images/generations", response_model=ImageGenerationResponse)
     async def generate_images(body: ImageGenerationRequest, request: Request) -> Response:
@@ -190,13 +192,15 @@ def create_app(config: ServerConfig, *, on_engine_failure: Callable[[str], None]
         height, width = _parse_size(body.size, client.ready_info.card)
         params = GenerationParams(
             prompt=body.prompt, negative_prompt=body.negative_prompt, n=body.n, height=height, width=width,
-            num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale, seed=body.seed,
+            num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
+            true_cfg_scale=body.true_cfg_scale, seed=body.seed,
         )
         try:
             request_id, future = client.generate(params)
         except (EngineDeadError, EngineNotReadyError):
             metrics.count_finished("unavailable")
             raise _unavailable(client) from None
+        progress.track(request.headers.get(PROGRESS_HEADER), request_id)
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({future, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -206,6 +210,7 @@ def create_app(config: ServerConfig, *, on_engine_failure: Callable[[str], None]
         finally:
             disconnect.cancel()
         if not future.done():
+            progress.finish(request_id, ok=False)
             client.abort(request_id)
             future.cancel()
             metrics.count_finished("aborted")
@@ -214,9 +219,13 @@ def create_app(config: ServerConfig, *, on_engine_failure: Callable[[str], None]
         try:
             result = future.result()
         except EngineDeadError:
+            progress.finish(request_id, ok=False)
             metrics.count_finished("unavailable")
             raise _unavailable(client) from None
+        progress.finish(request_id, ok=result.error is None and not result.aborted)
         return _finished_response(result, received, metrics)
+
+    app.include_router(progress_router(progress))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:

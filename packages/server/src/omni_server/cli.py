@@ -113,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--steps", dest="num_inference_steps", type=int, default=None,
                          help="denoising steps (default: the model's)")
     request.add_argument("--guidance-scale", dest="guidance_scale", type=float, default=None,
-                         help="classifier-free guidance scale; 1 disables CFG (default: the model's)")
+                         help="the model's guidance: CFG scale of omni models (1 disables it), FLUX.1-dev's embedded "
+                              "guidance, the true-CFG scale of Qwen-Image and FLUX.1-schnell (default: the model's)")
+    request.add_argument("--true-cfg-scale", dest="true_cfg_scale", type=float, default=None,
+                         help="real families: classifier-free guidance with the negative prompt, e.g. on top of "
+                              "FLUX.1-dev's embedded guidance (default: the model's)")
     request.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's)")
     request.add_argument("--image-seed", dest="image_seed", type=int, default=None,
                          help="seed of this image (default: --seed)")
@@ -138,11 +142,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.exit(2, f"omni-server: error: {exc}\n")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _model_problem(config)
+    if problem is not None:
+        parser.exit(2, f"omni-server: error: {problem}\n")
     if args.command == "serve":
         from omni_server.serve import serve
 
         return serve(config)
     return _generate(args, config)
+
+
+def _model_problem(config: ServerConfig) -> str | None:
+    """Why the model cannot be loaded (one line: the file and the problem), checked before anything starts."""
+    from omni_models import CheckpointError, InvalidRequestError, MissingDependencyError
+
+    from omni_server.loader import check_model
+
+    try:
+        check_model(config)
+    except (CheckpointError, InvalidRequestError, MissingDependencyError) as exc:
+        return " ".join(str(exc).split())
+    return None
 
 
 def _generate(args: argparse.Namespace, config: ServerConfig) -> int:
@@ -151,7 +171,8 @@ def _generate(args: argparse.Namespace, config: ServerConfig) -> int:
     try:
         paths = generate_to_files(
             config, prompt=args.prompt, output=Path(args.output), n=args.n, negative_prompt=args.negative_prompt,
-            num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, size=args.size,
+            num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
+            true_cfg_scale=args.true_cfg_scale, size=args.size,
             seed=args.image_seed if args.image_seed is not None else config.seed,
         )
     except GenerateError as exc:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from omni_server.config import ServerConfig
+from omni_server.schemas import MAX_IMAGES_PER_REQUEST
 from omni_server.protocol import (
     EngineReady,
     EngineStats,
@@ -44,8 +45,16 @@ class Engine(Protocol):
 
 
 def build_engine(config: ServerConfig) -> Engine:
-    """Load the model (load -> quantize/offload), then build, profile and warm up the engine."""
+    """Load the model (load -> quantize/offload), then build, profile and warm up the engine: ``FamilyEngine``
+    for a diffusers checkpoint (FLUX.1, Qwen-Image), ``PagedEngine`` for an omni model."""
+    from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
+
     from omni_server.loader import load_pipeline
+
+    if is_diffusers_checkpoint(resolve_model_dir(config.model)):
+        from omni_server.family_engine import FamilyEngine
+
+        return FamilyEngine(load_pipeline(config), config)
     from omni_server.paged_engine import PagedEngine
 
     requested_memory = None
@@ -55,6 +64,9 @@ def build_engine(config: ServerConfig) -> Engine:
 
         requested_memory = requested_device_memory(config.resolved_device(), config.gpu_memory_utilization)
     return PagedEngine(load_pipeline(config), config, requested_memory=requested_memory)
+
+
+DIT_REQUEST_FIELDS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed")
 
 
 def model_card(pipeline: Any, served_name: str) -> ModelCard:
@@ -68,6 +80,11 @@ def model_card(pipeline: Any, served_name: str) -> ModelCard:
         default_steps=int(info.default_steps),
         default_guidance_scale=float(info.default_guidance),
         max_prompt_tokens=int(info.max_prompt_tokens),
+        family="omni-dit",
+        variant=str(info.name),
+        accepts=list(DIT_REQUEST_FIELDS),
+        max_images_per_request=MAX_IMAGES_PER_REQUEST,
+        max_inference_steps=int(info.max_inference_steps),
     )
 
 

@@ -61,14 +61,21 @@ def generate_to_files(
     negative_prompt: str | None = None,
     num_inference_steps: int | None = None,
     guidance_scale: float | None = None,
+    true_cfg_scale: float | None = None,
     size: str | None = None,
     seed: int | None = None,
     progress_stream: TextIO = sys.stderr,
 ) -> list[Path]:
-    """Load the model as ``serve`` would, generate ``n`` images and write them as PNG."""
-    from omni_models import InvalidRequestError
+    """Load the model as ``serve`` would, generate ``n`` images and write them as PNG.
 
+    Image ``i`` is seeded ``seed + i``; a real family maps the request's fields as the server's engine does
+    (``family_engine.family_request_kwargs``), so ``generate`` and ``serve`` draw the same images.
+    """
+    from omni_models import FamilyPipeline, InvalidRequestError
+
+    from omni_server.family_engine import family_request_kwargs
     from omni_server.loader import load_pipeline
+    from omni_server.protocol import GenerationParams
 
     if n < 1:
         raise GenerateError(f"-n must be >= 1; got {n}")
@@ -84,12 +91,23 @@ def generate_to_files(
         bar.advance()
 
     try:
-        images = pipeline(
-            [prompt] * n if n > 1 else prompt,
-            negative_prompt=[negative_prompt] * n if (negative_prompt is not None and n > 1) else negative_prompt,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
-            height=height, width=width, callback_on_step_end=on_step_end,
-        )
+        if isinstance(pipeline, FamilyPipeline):
+            params = GenerationParams(prompt=prompt, negative_prompt=negative_prompt, n=n, height=height, width=width,
+                                      num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                                      true_cfg_scale=true_cfg_scale, seed=seed)
+            kwargs = family_request_kwargs(pipeline.info, params)
+            images = pipeline(kwargs.pop("prompt"), **kwargs, seed=seed, num_images_per_prompt=n,
+                              callback_on_step_end=on_step_end)
+        elif true_cfg_scale is not None:
+            raise GenerateError("--true-cfg-scale applies to the real families (FLUX.1, Qwen-Image); omni models take "
+                                "--guidance-scale")
+        else:
+            images = pipeline(
+                [prompt] * n if n > 1 else prompt,
+                negative_prompt=[negative_prompt] * n if (negative_prompt is not None and n > 1) else negative_prompt,
+                num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
+                height=height, width=width, callback_on_step_end=on_step_end,
+            )
     except InvalidRequestError as exc:
         raise GenerateError(f"{exc.param}: {exc}") from None
     paths = output_paths(output, n)

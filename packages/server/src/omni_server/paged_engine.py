@@ -46,7 +46,14 @@ from omni_server.engine import (
     model_card,
     request_error,
 )
-from omni_server.protocol import EngineReady, EngineStats, GenerationParams, RequestError, RequestFinished
+from omni_server.protocol import (
+    EngineReady,
+    EngineStats,
+    GenerationParams,
+    RequestError,
+    RequestFinished,
+    StepProgress,
+)
 from omni_server.schemas import MAX_IMAGES_PER_REQUEST
 
 logger = logging.getLogger("omni_server.engine")
@@ -245,6 +252,11 @@ class PagedEngine:
         self._requests[request_id] = request
 
     def _prepare_jobs(self, params: GenerationParams) -> list[Any]:
+        if params.true_cfg_scale is not None:
+            from omni_models import InvalidRequestError
+
+            raise InvalidRequestError(f"true_cfg_scale applies to the real families (FLUX.1, Qwen-Image); "
+                                      f"{self._card.name} takes guidance_scale", param="true_cfg_scale")
         base_seed = params.seed if params.seed is not None else self._seeds.randrange(_SEED_RANGE)
         return [
             self._pipeline.prepare(
@@ -372,6 +384,8 @@ class PagedEngine:
             running=len(self._scheduler.running), waiting=len(self._scheduler.waiting),
             kv_blocks_used=total - self._manager.get_num_free_blocks(), kv_blocks_total=total,
             step_latencies_s=latencies,
+            progress=[StepProgress(r.request_id, r.jobs[0].step_index, r.jobs[0].num_steps)
+                      for r in self._requests.values() if r.scheduled and r.jobs],
         )
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None  # the families' true CFG (with a negative prompt); see family_engine
     seed: int | None = None
 
 
@@ -44,15 +45,48 @@ EngineInput = AddRequest | AbortRequest | Shutdown
 # engine process -> API process
 
 
+class SizeRange(msgspec.Struct, frozen=True, kw_only=True):
+    """Sizes a family accepts: height and width each a multiple of ``multiple`` in [``min_side``, ``max_side``]."""
+
+    multiple: int
+    min_side: int
+    max_side: int
+
+
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
-    """What clients may ask of the loaded model (for validation, /v1/models and the playground)."""
+    """What clients may ask of the loaded model (for validation, /v1/models and the playground).
+
+    Sizes: the listed ``sizes`` when ``size_range`` is None (the shipped DiT), else any size in ``size_range``
+    (``sizes`` then holds the default only). ``accepts`` names the request fields the model uses.
+    """
 
     name: str
     sizes: list[tuple[int, int]]  # supported (height, width)
     default_size: tuple[int, int]
     default_steps: int
-    default_guidance_scale: float
+    default_guidance_scale: float | None
     max_prompt_tokens: int | None = None
+    family: str = "omni-dit"
+    variant: str | None = None
+    size_range: SizeRange | None = None
+    accepts: list[str] = []
+    default_true_cfg_scale: float | None = None
+    default_negative_prompt: str | None = None
+    max_images_per_request: int | None = None
+    max_inference_steps: int | None = None
+
+    def size_problem(self, height: int, width: int) -> str | None:
+        """Why ``height`` x ``width`` is refused (a message naming the supported sizes), or None if accepted."""
+        r = self.size_range
+        if r is None:
+            if (height, width) in self.sizes:
+                return None
+            supported = ", ".join(f"{w}x{h}" for h, w in self.sizes)
+            return f"size {width}x{height} is not supported by {self.name}; supported sizes: {supported}"
+        if all(side % r.multiple == 0 and r.min_side <= side <= r.max_side for side in (height, width)):
+            return None
+        return (f"size {width}x{height} is not supported by {self.name}: width and height must be multiples of "
+                f"{r.multiple} in [{r.min_side}, {r.max_side}]")
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag=True):
@@ -85,14 +119,23 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     engine_s: float = 0.0  # arrival -> finished, measured in the engine
 
 
+class StepProgress(msgspec.Struct, frozen=True, array_like=True):
+    """Denoising steps a running request has completed (every image of a request advances together)."""
+
+    request_id: str
+    step: int
+    total: int
+
+
 class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Scheduler state after an engine iteration; step latencies since the last report."""
+    """Scheduler state after an engine iteration; step latencies since the last report; progress of the running."""
 
     running: int
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
     step_latencies_s: list[float] = []
+    progress: list[StepProgress] = []
 
 
 EngineOutput = EngineReady | EngineStartupFailed | RequestFinished | EngineStats

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_server.protocol import ModelCard
+
 MAX_IMAGES_PER_REQUEST = 10
 MAX_SEED = 2**63 - 1
 
@@ -30,7 +32,13 @@ class ImageGenerationRequest(BaseModel):
     )
     negative_prompt: str | None = Field(default=None, description="What the image should not show (CFG).")
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    guidance_scale: float | None = Field(
+        default=None, ge=0.0, le=100.0,
+        description="The model's guidance: CFG for omni models, embedded guidance for FLUX.1-dev, the true-CFG scale "
+                    "for families without embedded guidance (Qwen-Image, FLUX.1-schnell).")
+    true_cfg_scale: float | None = Field(
+        default=None, ge=0.0, le=100.0,
+        description="Real families only: classifier-free guidance with the negative prompt (applies when > 1).")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
 
@@ -53,12 +61,38 @@ class ModelObject(BaseModel):
     sizes: list[str]
     default_size: str
     default_num_inference_steps: int
-    default_guidance_scale: float
+    default_guidance_scale: float | None
+    family: str = Field(description="omni-dit (the shipped model family), flux or qwen-image")
+    variant: str | None = None
+    size_range: dict[str, int] | None = Field(
+        default=None, description="{multiple, min_side, max_side}: any WIDTHxHEIGHT within it (real families)")
+    accepts: list[str] = Field(default_factory=list, description="request fields this model uses")
+    default_true_cfg_scale: float | None = None
+    default_negative_prompt: str | None = None
+    max_images_per_request: int | None = None
+    max_inference_steps: int | None = None
+    max_prompt_tokens: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelObject]
+
+
+def model_object(card: ModelCard, created: int) -> ModelObject:
+    """The /v1/models entry of a loaded model."""
+    size_range = card.size_range
+    return ModelObject(
+        id=card.name, created=created, sizes=[f"{w}x{h}" for h, w in card.sizes],
+        default_size=f"{card.default_size[1]}x{card.default_size[0]}",
+        default_num_inference_steps=card.default_steps, default_guidance_scale=card.default_guidance_scale,
+        family=card.family, variant=card.variant,
+        size_range=None if size_range is None else {"multiple": size_range.multiple, "min_side": size_range.min_side,
+                                                    "max_side": size_range.max_side},
+        accepts=list(card.accepts), default_true_cfg_scale=card.default_true_cfg_scale,
+        default_negative_prompt=card.default_negative_prompt, max_images_per_request=card.max_images_per_request,
+        max_inference_steps=card.max_inference_steps, max_prompt_tokens=card.max_prompt_tokens,
+    )
 
 
 class ErrorDetail(BaseModel):
