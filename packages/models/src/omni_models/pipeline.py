@@ -80,13 +80,13 @@ class Pipeline:
         attention_backend: AttentionBackend = "paged",
         cuda_graphs: bool = False,
         offload: LayerwiseOffload | None = None,
-        prompt_grammar: Callable[[str], str] | None = None,
+        prompt_grammar: Callable[[str], str] | Literal["auto"] | None = "auto",
     ) -> None:
         """``device`` is where latents, KV caches and compute live; with layerwise offload (``offload``, the handle
         ``dlo_offload.enable_layerwise_offload`` returned, kept here so its streams and host buffers live as long as
         the pipeline) the blocks' weights stay in host memory and stream to ``device``. ``prompt_grammar`` rewrites
-        (or refuses, with ``InvalidRequestError``) a prompt before tokenizing; ``load`` sets
-        ``shapes_grammar.canonicalize`` for models whose vocabulary is the shapes world's."""
+        (or refuses, with ``InvalidRequestError``) a prompt before tokenizing; ``"auto"`` is
+        ``shapes_grammar.canonicalize`` when the tokenizer's vocabulary is the shapes world's, else none."""
         if attention_backend not in ("paged", "dense"):
             raise ValueError(f"attention_backend must be 'paged' or 'dense', got {attention_backend!r}")
         if not isinstance(cuda_graphs, bool):
@@ -96,7 +96,10 @@ class Pipeline:
         self.model = model.eval()
         self.offload = offload
         self.tokenizer = tokenizer
-        self.prompt_grammar = prompt_grammar
+        if prompt_grammar == "auto":
+            prompt_grammar = (shapes_grammar.canonicalize if shapes_grammar.is_shapes_vocabulary(tokenizer.vocabulary[2:])
+                              else None)
+        self.prompt_grammar: Callable[[str], str] | None = prompt_grammar
         self.device = device
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -416,9 +419,8 @@ def load(
                          f"unexpected {unexpected[:5]}")
     model.load_state_dict(state, assign=True)
     model.to(device=device, dtype=dtype)
-    grammar = shapes_grammar.canonicalize if shapes_grammar.is_shapes_vocabulary(vocabulary[2:]) else None
     return Pipeline(model, Tokenizer(vocabulary, max_tokens=config.max_prompt_tokens), device=device, dtype=dtype,
-                    attention_backend=attention_backend or "paged", cuda_graphs=cuda_graphs, prompt_grammar=grammar)
+                    attention_backend=attention_backend or "paged", cuda_graphs=cuda_graphs)
 
 
 def build_model(config: DiTConfig) -> CausalPrefixDiT:
