@@ -123,8 +123,9 @@ def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -
     argv = [sys.executable, "-m", "omni_server", "serve", *model_args, "--device", "cpu", "--host", "127.0.0.1",
             "--port", str(port), *args]
     with open(log_path, "wb") as log:
+        # Its own process group, so a test can signal the group (as a terminal or a container runtime does).
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})})
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
     handle = ServerHandle(process, f"http://127.0.0.1:{port}", log_path, argv)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import httpx
 
 
 def test_sigkill_of_the_engine_fails_fast_and_leaves_no_orphans(server_factory, tools) -> None:
-    server = server_factory("--max-num-seqs", "2", "--kv-cache-memory-bytes", "32M")
+    server = server_factory("--max-num-seqs", "2", "--kv-cache-memory-bytes", "32M", "--engine-restarts", "0")
     engine = server.engine_pid()
 
     def long_request(i: int) -> tuple[int, dict, float]:
@@ -56,7 +56,11 @@ def test_sigkill_of_the_engine_fails_fast_and_leaves_no_orphans(server_factory, 
 
     response = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "x"}, timeout=5)
     assert response.status_code == 503
-    assert tools.metric(server.metrics(), "omni:engine_ready") == 0.0
+    text = server.metrics()
+    assert tools.metric(text, "omni:engine_ready") == 0.0
+    # The dead engine's requests and blocks are gone: /metrics says so instead of showing its last stats.
+    assert tools.metric(text, "omni:num_requests_running") == 0.0
+    assert tools.metric(text, "omni:kv_cache_blocks_in_use") == 0.0
     assert not tools.pid_alive(engine)
     assert server.process.poll() is None  # the API process keeps answering 503 until it is stopped
     server.stop()

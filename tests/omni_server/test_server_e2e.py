@@ -20,7 +20,7 @@ import httpx
 import pytest
 from PIL import Image
 
-FAULT_PROMPT = "a black triangle on a black background"  # valid words; the engine is told to fail it
+FAULT_PROMPT = "a black triangle on a white background"  # valid words; the engine is told to fail it
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "white", "black")
 SHAPES = ("circle", "square", "triangle", "diamond")
 
@@ -218,7 +218,7 @@ def test_client_disconnect_aborts_and_frees_the_blocks(server, tools) -> None:
     body = b'{"prompt": "a purple circle", "num_inference_steps": 1000, "n": 2}'
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         _wait_for(lambda: _kv_in_use(server, tools) > baseline, 30, "the request to hold KV blocks")
     started = time.monotonic()

@@ -31,7 +31,7 @@ from diffusion_kv import (
 )
 from PIL import Image
 
-from omni_models import paged
+from omni_models import paged, shapes_grammar
 from omni_models.checkpoint import load_config, load_weights
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
@@ -80,10 +80,13 @@ class Pipeline:
         attention_backend: AttentionBackend = "paged",
         cuda_graphs: bool = False,
         offload: LayerwiseOffload | None = None,
+        prompt_grammar: Callable[[str], str] | Literal["auto"] | None = "auto",
     ) -> None:
         """``device`` is where latents, KV caches and compute live; with layerwise offload (``offload``, the handle
         ``dlo_offload.enable_layerwise_offload`` returned, kept here so its streams and host buffers live as long as
-        the pipeline) the blocks' weights stay in host memory and stream to ``device``."""
+        the pipeline) the blocks' weights stay in host memory and stream to ``device``. ``prompt_grammar`` rewrites
+        (or refuses, with ``InvalidRequestError``) a prompt before tokenizing; ``"auto"`` is
+        ``shapes_grammar.canonicalize`` when the tokenizer's vocabulary is the shapes world's, else none."""
         if attention_backend not in ("paged", "dense"):
             raise ValueError(f"attention_backend must be 'paged' or 'dense', got {attention_backend!r}")
         if not isinstance(cuda_graphs, bool):
@@ -93,6 +96,10 @@ class Pipeline:
         self.model = model.eval()
         self.offload = offload
         self.tokenizer = tokenizer
+        if prompt_grammar == "auto":
+            prompt_grammar = (shapes_grammar.canonicalize if shapes_grammar.is_shapes_vocabulary(tokenizer.vocabulary[2:])
+                              else None)
+        self.prompt_grammar: Callable[[str], str] | None = prompt_grammar
         self.device = device
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -122,7 +129,11 @@ class Pipeline:
     ) -> tuple[GenerationRequest, list[int], list[int] | None]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidRequestError(f"prompt must be a non-empty string, got {prompt!r}", param="prompt")
-        cond_ids = self.tokenizer.encode(prompt, param="prompt")
+        cond_ids = self.tokenizer.encode(prompt if self.prompt_grammar is None else self.prompt_grammar(prompt),
+                                         param="prompt")
+        if len(cond_ids) == 1:  # BOS alone is the unconditional prompt: it would draw a random scene
+            raise InvalidRequestError(f"prompt has no words (only punctuation or spaces): {prompt[:40]!r}",
+                                      param="prompt")
         if negative_prompt is not None and not isinstance(negative_prompt, str):
             raise InvalidRequestError(
                 f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}",

@@ -23,6 +23,11 @@ _WORD_PATTERN = re.compile(r"[a-z]+|[^\sa-z.,!]+")
 WORD_ALIASES: dict[str, str] = {"an": "a"}
 
 
+def split_words(prompt: str) -> list[str]:
+    """The words of a prompt as the tokenizer reads them: lower-cased, ``.,!`` dropped, aliases not yet applied."""
+    return _WORD_PATTERN.findall(prompt.lower())
+
+
 class Tokenizer:
     """Word-level tokenizer over a fixed vocabulary; unknown words are a request error that names them."""
 
@@ -45,7 +50,7 @@ class Tokenizer:
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"{param} must be a string, got {type(prompt).__name__}", param=param)
-        words = [WORD_ALIASES.get(word, word) for word in _WORD_PATTERN.findall(prompt.lower())]
+        words = [WORD_ALIASES.get(word, word) for word in split_words(prompt)]
         unknown = [word for word in words if word not in self._ids]
         if unknown:
             known = ", ".join(self.vocabulary[2:])

@@ -78,6 +78,13 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     scheduler.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=S,
                            help="most requests denoising at once (their CFG rows share each forward) "
                                 f"{_default('max_num_seqs')}")
+    scheduler.add_argument("--max-rows-per-step", dest="max_rows_per_step", type=int, default=S,
+                           help="CFG rows per forward; jobs with the fewest steps left go first, so a short request "
+                                f"is not held behind long ones; 0: every running row in every forward "
+                                f"{_default('max_rows_per_step')}")
+    _bool_flag(scheduler, "--batch-invariant", "batch_invariant",
+               "run each image's rows in a forward of their own, so an image of an n-image or concurrent request is "
+               "bit-equal to the same image requested alone (slower: no batching across images)")
 
     frontend = parser.add_argument_group("Frontend", "the HTTP server")
     frontend.add_argument("--served-model-name", dest="served_model_name", default=S,
@@ -88,6 +95,50 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
                           metavar="SECONDS",
                           help=f"give up if the engine is not ready by then {_default('engine_start_timeout_s')}")
     _bool_flag(frontend, "--warmup", "warmup", "run one request through the engine before reporting ready")
+
+
+def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bounds on what clients control, engine supervision, HTTP security (``serve`` only)."""
+    S = argparse.SUPPRESS
+    limits = parser.add_argument_group("Limits", "everything a client controls is bounded; each answered in the "
+                                                 "OpenAI error shape")
+    limits.add_argument("--max-request-body-bytes", dest="max_request_body_bytes", default=S, metavar="BYTES",
+                        help=f"larger bodies get 413, e.g. 1M {_default('max_request_body_bytes')}")
+    limits.add_argument("--max-prompt-chars", dest="max_prompt_chars", type=int, default=S,
+                        help=f"longer prompts get 400 before tokenizing {_default('max_prompt_chars')}")
+    limits.add_argument("--max-error-message-chars", dest="max_error_message_chars", type=int, default=S,
+                        help=f"error messages are cut to this length {_default('max_error_message_chars')}")
+    limits.add_argument("--max-header-bytes", dest="max_header_bytes", default=S, metavar="BYTES",
+                        help=f"request line + headers; larger gets 431 {_default('max_header_bytes')}")
+    limits.add_argument("--max-header-count", dest="max_header_count", type=int, default=S,
+                        help=f"more headers get 431 {_default('max_header_count')}")
+    limits.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=S, metavar="SECONDS",
+                        help=f"the request head must arrive within this, else 408 {_default('header_timeout_s')}")
+    limits.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=S, metavar="SECONDS",
+                        help=f"the body must arrive within this, else 408 {_default('body_timeout_s')}")
+    limits.add_argument("--max-queued-requests", dest="max_queued_requests", type=int, default=S,
+                        help="requests accepted beyond --max-num-seqs; more get 429 with Retry-After "
+                             f"{_default('max_queued_requests')}")
+    limits.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=S, metavar="SECONDS",
+                        help=f"a request still unfinished then is aborted with 504; 0: none {_default('request_timeout_s')}")
+    limits.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=S, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, in-flight requests may finish within this; the rest get 503 "
+                             f"{_default('shutdown_timeout_s')}")
+    supervision = parser.add_argument_group("Supervision", "the engine process")
+    supervision.add_argument("--engine-restarts", dest="engine_restarts", type=int, default=S,
+                             help="restart a dead engine up to N times in a row, with backoff; 0: never "
+                                  f"{_default('engine_restarts')}")
+    supervision.add_argument("--engine-heartbeat-timeout", dest="engine_heartbeat_timeout_s", type=float, default=S,
+                             metavar="SECONDS", help="an engine silent this long is stalled: /health 503 "
+                                                     f"{_default('engine_heartbeat_timeout_s')}")
+    security = parser.add_argument_group("Security", "who may call the server")
+    security.add_argument("--api-key", dest="api_key", default=S,
+                          help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)")
+    security.add_argument("--allowed-origins", dest="allowed_origins", default=S, metavar="LIST",
+                          help="CORS origins, a JSON list or comma-separated (default: none, no CORS headers)")
+    security.add_argument("--allowed-hosts", dest="allowed_hosts", default=S, metavar="LIST",
+                          help="Host header values the server answers to, '*' for any (default: the loopback names "
+                               "when bound to a loopback address, else any)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Start the OpenAI-compatible HTTP server (POST /v1/images/generations).")
     _add_engine_arguments(serve, model_positional=True)
     _add_serving_arguments(serve)
+    _add_robustness_arguments(serve)
 
     generate = commands.add_parser("generate", help="generate one image in this process",
                                    description="Generate images for one prompt and write them as PNG.")

@@ -71,6 +71,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     # scheduling and KV cache
     max_num_seqs: int = 16
+    max_rows_per_step: int = 8  # CFG rows per forward (omni_server.scheduling_policy); 0: no limit
+    batch_invariant: bool = False  # one job per forward: batched images bit-equal to single-request ones
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -86,9 +88,28 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_start_timeout_s: float = 600.0
     warmup: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # bounds on what a client controls (see omni_server.http_guard and the README's "Limits")
+    max_request_body_bytes: int = 2**20
+    max_prompt_chars: int = 2000
+    max_error_message_chars: int = 2000
+    max_header_bytes: int = 16 * 2**10
+    max_header_count: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_queued_requests: int = 32
+    request_timeout_s: float = 600.0  # 0 disables
+    shutdown_timeout_s: float = 30.0
+    # supervision of the engine process
+    engine_restarts: int = 5
+    engine_heartbeat_timeout_s: float = 0.5
+    # HTTP security
+    api_key: str | None = None
+    allowed_origins: list[str] = []
+    allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any host
 
     def __post_init__(self) -> None:
         _validate(self)
+        _validate_limits(self)
 
     @property
     def model_name(self) -> str:
@@ -111,6 +132,8 @@ def _validate(cfg: ServerConfig) -> None:
         raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {cfg.device!r}")
     if cfg.max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be >= 1; got {cfg.max_num_seqs}")
+    if cfg.max_rows_per_step < 0:
+        raise ConfigError(f"max_rows_per_step must be >= 0 (0: no limit); got {cfg.max_rows_per_step}")
     if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
         raise ConfigError(f"block_size must be a positive power of two; got {cfg.block_size}")
     if cfg.kv_cache_memory_bytes is not None and cfg.kv_cache_memory_bytes < 0:
@@ -140,8 +163,48 @@ def _validate(cfg: ServerConfig) -> None:
         raise ConfigError(f"engine_start_timeout_s must be positive; got {cfg.engine_start_timeout_s}")
 
 
+def _validate_limits(cfg: ServerConfig) -> None:
+    for name in ("max_request_body_bytes", "max_prompt_chars", "max_error_message_chars", "max_header_bytes",
+                 "max_header_count"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1; got {getattr(cfg, name)}")
+    for name in ("header_timeout_s", "body_timeout_s", "engine_heartbeat_timeout_s"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{name} must be positive; got {getattr(cfg, name)}")
+    for name in ("request_timeout_s", "shutdown_timeout_s"):
+        if not getattr(cfg, name) >= 0:
+            raise ConfigError(f"{name} must be >= 0 (0: {'no timeout' if name == 'request_timeout_s' else 'no drain'}); "
+                              f"got {getattr(cfg, name)}")
+    if cfg.max_queued_requests < 0:
+        raise ConfigError(f"max_queued_requests must be >= 0; got {cfg.max_queued_requests}")
+    if cfg.engine_restarts < 0:
+        raise ConfigError(f"engine_restarts must be >= 0 (0 disables restarts); got {cfg.engine_restarts}")
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise ConfigError("api_key must not be empty; drop --api-key to serve without one")
+
+
 FIELD_NAMES: tuple[str, ...] = ServerConfig.__struct_fields__
-_HUMAN_INT_FIELDS = frozenset({"kv_cache_memory_bytes", "max_model_len"})
+_HUMAN_INT_FIELDS = frozenset({"kv_cache_memory_bytes", "max_model_len", "max_request_body_bytes",
+                               "max_header_bytes"})
+_LIST_FIELDS = frozenset({"allowed_origins", "allowed_hosts"})
+
+
+def parse_list(value: str | list[str]) -> list[str]:
+    """``'["a", "b"]'`` (JSON, as ``vllm serve --allowed-origins`` takes it) or ``"a,b"``."""
+    if isinstance(value, list):
+        return [str(item) for item in value]
+    text = str(value).strip()
+    if text.startswith("["):
+        import json
+
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"expected a JSON list of strings or a comma-separated list, got {value!r}: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise ConfigError(f"expected a JSON list of strings, got {value!r}")
+        return items
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def build_config(file_values: Mapping[str, Any] | None = None, **overrides: Any) -> ServerConfig:
@@ -162,6 +225,12 @@ def build_config(file_values: Mapping[str, Any] | None = None, **overrides: Any)
         if merged[name] is not None:
             try:
                 merged[name] = parse_human_int(merged[name])
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+    for name in _LIST_FIELDS & merged.keys():
+        if merged[name] is not None:
+            try:
+                merged[name] = parse_list(merged[name])
             except ConfigError as exc:
                 raise ConfigError(f"{name}: {exc}") from None
     try:

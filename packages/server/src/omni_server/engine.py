@@ -6,7 +6,7 @@ builds the paged engine (``paged_engine.PagedEngine``: diffusion_kv scheduler,
 batched stepwise execution).
 
 Invariant for every engine: each added request produces exactly one
-``RequestFinished`` (images, error or aborted), and an error in one request never
+``RequestFinished`` (images or an error, an abort included), and an error in one request never
 stops the loop.
 """
 
@@ -22,8 +22,8 @@ from typing import Any, Protocol
 from omni_server.config import ServerConfig
 from omni_server.schemas import MAX_IMAGES_PER_REQUEST
 from omni_server.protocol import (
+    EngineOutput,
     EngineReady,
-    EngineStats,
     GenerationParams,
     ModelCard,
     RequestError,
@@ -31,8 +31,6 @@ from omni_server.protocol import (
 )
 
 logger = logging.getLogger("omni_server.engine")
-
-EngineOutput = RequestFinished | EngineStats
 
 
 class Engine(Protocol):
@@ -132,7 +130,7 @@ class Timer:
             self.scheduled = time.monotonic()
 
     def finished(
-        self, request_id: str, *, images: Iterable[bytes] = (), error: RequestError | None = None, aborted: bool = False
+        self, request_id: str, *, images: Iterable[bytes] = (), error: RequestError | None = None
     ) -> RequestFinished:
         now = time.monotonic()
         scheduled = self.scheduled if self.scheduled is not None else now
@@ -140,7 +138,6 @@ class Timer:
             request_id=request_id,
             images=list(images),
             error=error,
-            aborted=aborted,
             queue_s=scheduled - self.arrival,
             engine_s=now - self.arrival,
         )

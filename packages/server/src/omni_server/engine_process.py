@@ -5,6 +5,12 @@ one engine iteration; it blocks on the pipe only when there is no work. It exits
 when the API process asks it to, when the pipe closes (the API process is gone),
 or, through ``PR_SET_PDEATHSIG``, when the API process dies while a step runs,
 so a killed server never leaves an engine process holding the GPU.
+
+The engine takes orders from the API process only: it ignores SIGINT and SIGTERM (a Ctrl-C in the
+terminal or a signal to the process group reaches the API process, which drains and then sends
+``Shutdown``). A heartbeat thread sends ``Heartbeat`` every ``HEARTBEAT_INTERVAL_S`` so the API process
+can tell a frozen engine from a busy one. Torch's intra-op threads are sized from the CPUs this process
+may use (``omni_server.cpu_budget``) before torch is imported.
 """
 
 from __future__ import annotations
@@ -14,15 +20,19 @@ import logging
 import os
 import signal
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 import msgspec
 
 from omni_server.config import ServerConfig
+from omni_server.cpu_budget import configure_intra_op_threads
 from omni_server.protocol import (
+    HEARTBEAT_INTERVAL_S,
     AbortRequest,
     AddRequest,
     EngineStartupFailed,
+    Heartbeat,
     Shutdown,
     decode_input,
     encode,
@@ -49,8 +59,41 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _ignore_terminal_signals() -> None:
+    # The API process spawned us with SIGINT/SIGTERM blocked; ignore them, then let pending ones be discarded.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+class _Sender:
+    """The engine's end of the pipe, shared by the main loop and the heartbeat thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, data: bytes) -> None:
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _heartbeat(sender: _Sender, stop: threading.Event) -> None:
+    beat = encode(Heartbeat())
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        try:
+            sender.send(beat)
+        except (OSError, ValueError):
+            return
+
+
 def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
     """Start the engine, report readiness, then serve requests until told to stop."""
+    _ignore_terminal_signals()
     parent_pid = os.getppid()
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -59,16 +102,22 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
     )
+    threads = configure_intra_op_threads(os.environ)
+    logger.info("torch intra-op threads: %d (%s)", threads.count, threads.source)
     from omni_server.engine import build_engine
 
+    sender = _Sender(conn)
+    stop_heartbeat = threading.Event()
+    threading.Thread(target=_heartbeat, args=(sender, stop_heartbeat), name="engine-heartbeat", daemon=True).start()
     try:
         engine = build_engine(config)
     except Exception as exc:  # report any start-up failure to the API process, then exit
         logger.exception("engine start-up failed")
-        conn.send_bytes(encode(EngineStartupFailed(f"{type(exc).__name__}: {exc}")))
+        stop_heartbeat.set()
+        sender.send(encode(EngineStartupFailed(f"{type(exc).__name__}: {exc}")))
         conn.close()
         return
-    conn.send_bytes(encode(engine.ready_message()))
+    sender.send(encode(engine.ready_message()))
 
     def drain_inputs(block: bool) -> None:
         timeout = _IDLE_POLL_S if block else 0.0
@@ -95,11 +144,12 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
         while True:
             drain_inputs(block=not engine.has_work())
             for output in engine.step():
-                conn.send_bytes(encode(output))
+                sender.send(encode(output))
     except (_ParentGone, _ShutdownRequested):
         pass
     except (BrokenPipeError, ConnectionResetError):
         pass
     finally:
+        stop_heartbeat.set()
         engine.close()
-        conn.close()
+        sender.close()

@@ -45,6 +45,7 @@ from omni_server.protocol import (
     EngineStats,
     GenerationParams,
     ModelCard,
+    RequestError,
     RequestFinished,
     SizeRange,
     StepProgress,
@@ -177,7 +178,8 @@ class FamilyEngine:
             for request in list(queue):
                 if request.request_id == request_id:
                     queue.remove(request)
-                    self._outputs.append(request.timer.finished(request_id, aborted=True))
+                    self._outputs.append(request.timer.finished(
+                        request_id, error=RequestError(kind="aborted", message="the request was aborted")))
                     return
 
     def has_work(self) -> bool:

@@ -1,7 +1,9 @@
 """Prometheus metrics of one server, in their own registry (several apps can live in one process).
 
 Names follow vLLM's ``vllm:`` convention with an ``omni:`` prefix. Gauges mirror
-the engine's latest ``EngineStats``; histograms are observed as requests finish.
+the engine's latest ``EngineStats`` (zeroed when the engine dies: its requests and blocks are gone);
+``omni:engine_ready`` and ``omni:engine_heartbeat_age_seconds`` are read at scrape time; histograms are
+observed as requests finish.
 """
 
 from __future__ import annotations
@@ -46,13 +48,20 @@ class ServerMetrics:
             "omni:e2e_request_latency_seconds", "HTTP request received to response ready.", ["model_name"],
             buckets=_LATENCY_BUCKETS, registry=r,
         ).labels(**labels)
+        self.heartbeat_age = Gauge(
+            "omni:engine_heartbeat_age_seconds", "Seconds since the engine process was last heard from.",
+            ["model_name"], registry=r,
+        ).labels(**labels)
+        self.engine_restarts = Counter(
+            "omni:engine_restarts", "Engine processes restarted after the engine died.", ["model_name"], registry=r,
+        ).labels(**labels)
         self._finished = Counter(
             "omni:request_finished", "Finished requests by outcome.", ["model_name", "outcome"], registry=r
         )
         self._model_name = model_name
 
     def count_finished(self, outcome: str) -> None:
-        """``outcome`` is one of success, invalid, error, aborted, unavailable."""
+        """``outcome`` is one of success, invalid, error, aborted, unavailable, rejected (queue full), timeout."""
         self._finished.labels(model_name=self._model_name, outcome=outcome).inc()
 
     def update_engine(self, stats: EngineStats) -> None:
@@ -62,6 +71,11 @@ class ServerMetrics:
         self.kv_blocks_total.set(stats.kv_blocks_total)
         for latency in stats.step_latencies_s:
             self.step_time.observe(latency)
+
+    def observe_engine(self, *, ready: bool, heartbeat_age_s: float) -> None:
+        """Scrape-time truth: never a stale ``ready`` from before a death or a stall."""
+        self.engine_ready.set(1 if ready else 0)
+        self.heartbeat_age.set(heartbeat_age_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,7 +39,6 @@ from diffusion_kv.worker import RowIdentity, WorkerRowTable
 
 from omni_server.config import ServerConfig
 from omni_server.engine import (
-    EngineOutput,
     Timer,
     encode_png,
     fault_injection_hook,
@@ -47,6 +46,7 @@ from omni_server.engine import (
     request_error,
 )
 from omni_server.protocol import (
+    EngineOutput,
     EngineReady,
     EngineStats,
     GenerationParams,
@@ -54,6 +54,7 @@ from omni_server.protocol import (
     RequestFinished,
     StepProgress,
 )
+from omni_server.scheduling_policy import FairAdmission, StepSelection, blocks_for_rows
 from omni_server.schemas import MAX_IMAGES_PER_REQUEST
 
 logger = logging.getLogger("omni_server.engine")
@@ -119,6 +120,8 @@ class PagedEngine:
             max_rows_per_request=max_rows,
         )
         self._scheduler = DiffusionKVScheduler(self._manager, max_num_seqs=config.max_num_seqs)
+        self._admission: FairAdmission[_PublicRequest] = FairAdmission(request_id=lambda r: r.request_id)
+        self._selection = StepSelection(config.max_rows_per_step)
         # The block tables of the scheduled rows, on the pipeline's device: its forwards read them from here.
         self._rows = WorkerRowTable(
             num_rows=self._scheduler.worker_row_pool_size, max_rows_per_request=max_rows,
@@ -248,7 +251,7 @@ class PagedEngine:
                 ))
                 sequence_id += 1
         request = _PublicRequest(request_id, params, jobs, timer, diffusion_kv_requests=kv_requests)
-        self._scheduler.add_request(request)
+        self._admission.add(request, blocks_for_rows([r.seq_len for r in kv_requests], self.sizing.block_size))
         self._requests[request_id] = request
 
     def _prepare_jobs(self, params: GenerationParams) -> list[Any]:
@@ -269,6 +272,9 @@ class PagedEngine:
 
     def abort(self, request_id: str) -> None:
         if request_id in self._requests:
+            waiting = self._admission.remove(request_id)
+            if waiting is not None:  # never reached the scheduler: it reports the abort like any other
+                self._scheduler.add_request(waiting)
             self._scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
@@ -279,6 +285,7 @@ class PagedEngine:
 
     def step(self) -> list[EngineOutput]:
         outputs, self._outputs = self._outputs, []
+        self._release_admissible()
         output = self._scheduler.schedule()
         # Retire finished rows before installing new ones: a release and the admission it made room for
         # can arrive in the same output, reusing the same blocks.
@@ -296,6 +303,18 @@ class PagedEngine:
             outputs.append(self._report(request_id))
         outputs.append(self.stats())
         return outputs
+
+    def _release_admissible(self) -> None:
+        """Hand the scheduler the waiting requests that fit now (``admission.FairAdmission``)."""
+        scheduler = self._scheduler
+        if not self._admission or scheduler.waiting:
+            return
+        for request in self._admission.release(
+            free_blocks=self._manager.get_num_free_blocks(),
+            free_slots=scheduler.max_num_running_reqs - len(scheduler.running),
+            pool_blocks=self._manager.empty_pool_num_free_blocks,
+        ):
+            scheduler.add_request(request)
 
     def _install(self, envelope: NewRequestData) -> None:
         """Install the request's rows in the row table and bind each job's rows to their block tables."""
@@ -339,12 +358,13 @@ class PagedEngine:
     def _forward(self, requests: Sequence[_PublicRequest]) -> None:
         for request in requests:
             self._check_fault(request.params)
-        fresh = [s for r in requests for s in r.scheduled if not s.job.prefix_written]
-        if fresh:
-            self._pipeline.run_prefix(fresh)
-        batch = [s for r in requests for s in r.scheduled if not s.job.finished]
-        if batch:
-            self._pipeline.run_denoise_step(batch)
+        batch = self._selection.select([s for r in requests for s in r.scheduled if not s.job.finished])
+        # --batch-invariant: one job per forward, the shapes a single-image request runs, so the same bits.
+        for part in ([[s] for s in batch] if self._config.batch_invariant else [batch] if batch else []):
+            fresh = [s for s in part if not s.job.prefix_written]
+            if fresh:
+                self._pipeline.run_prefix(fresh)
+            self._pipeline.run_denoise_step(part)
 
     def _complete_finished(self, running: Sequence[_PublicRequest]) -> list[str]:
         completed = []
@@ -371,7 +391,7 @@ class PagedEngine:
         if state.status == RequestStatus.FINISHED_STOPPED:
             return timer.finished(request_id, images=request.images)
         if state.status == RequestStatus.FINISHED_ABORTED:
-            return timer.finished(request_id, aborted=True)
+            return timer.finished(request_id, error=RequestError(kind="aborted", message="the request was aborted"))
         error = self._failed.pop(request_id, None)
         if error is None:  # the scheduler's own verdict: admission failed (never fits, too long)
             error = RequestError(kind="capacity", message=state.error or "KV admission failed")
@@ -381,7 +401,7 @@ class PagedEngine:
         latencies, self._step_latencies = self._step_latencies, []
         total = self._manager.empty_pool_num_free_blocks
         return EngineStats(
-            running=len(self._scheduler.running), waiting=len(self._scheduler.waiting),
+            running=len(self._scheduler.running), waiting=len(self._scheduler.waiting) + len(self._admission),
             kv_blocks_used=total - self._manager.get_num_free_blocks(), kv_blocks_total=total,
             step_latencies_s=latencies,
             progress=[StepProgress(r.request_id, r.jobs[0].step_index, r.jobs[0].num_steps)
@@ -391,4 +411,5 @@ class PagedEngine:
     def close(self) -> None:
         self._rows.remove(list(self._rows.installed_request_ids))
         self._scheduler.close()
+        self._admission.clear()
         self._requests.clear()

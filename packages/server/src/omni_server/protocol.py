@@ -2,9 +2,17 @@
 
 Every message is a tagged struct, so one decoder per direction turns bytes back
 into the right type. Images travel as PNG bytes; the API process base64-encodes them.
+
+One error channel: every request ends in exactly one ``RequestFinished``, and a request that did not
+produce images carries a ``RequestError`` whose ``kind`` (a closed ``Literal``) alone decides the HTTP answer
+(``omni_server.api.ERROR_STATUS``). The engine reports ``invalid_request``, ``capacity``, ``engine`` and
+``aborted``; the API process itself finishes requests with ``unavailable`` (engine dead, restarting or
+stalled, server draining) and ``timeout`` (``--request-timeout``), so it never raises across this boundary.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import msgspec
 
@@ -102,19 +110,24 @@ class EngineStartupFailed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-class RequestError(msgspec.Struct, frozen=True, kw_only=True):
-    """Why one request failed. ``kind`` maps to an HTTP status in the API process."""
+ErrorKind = Literal["invalid_request", "capacity", "engine", "aborted", "unavailable", "timeout"]
 
-    kind: str  # "invalid_request" (400) | "capacity" (400) | "engine" (500)
+
+class RequestError(msgspec.Struct, frozen=True, kw_only=True):
+    """Why one request produced no images; ``kind`` maps to one HTTP status in the API process."""
+
+    kind: ErrorKind
     message: str
     param: str | None = None
+    code: str | None = None  # a finer OpenAI ``code`` (e.g. ``engine_dead``); the kind's default otherwise
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The one answer to a request: ``images`` (one PNG per requested image) or ``error``, never both."""
+
     request_id: str
-    images: list[bytes] = []  # PNG, one per requested image
+    images: list[bytes] = []
     error: RequestError | None = None
-    aborted: bool = False
     queue_s: float = 0.0  # arrival -> first scheduled
     engine_s: float = 0.0  # arrival -> finished, measured in the engine
 
@@ -138,10 +151,18 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     progress: list[StepProgress] = []
 
 
-EngineOutput = EngineReady | EngineStartupFailed | RequestFinished | EngineStats
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """Sent by the engine's heartbeat thread every ``HEARTBEAT_INTERVAL_S``: the process is alive and scheduled."""
+
+
+HEARTBEAT_INTERVAL_S = 0.1
+
+# What an engine iteration returns (``Engine.step``); everything else the process sends is lifecycle.
+EngineOutput = RequestFinished | EngineStats
+EngineMessage = EngineReady | EngineStartupFailed | RequestFinished | EngineStats | Heartbeat
 
 _INPUT_DECODER = msgspec.msgpack.Decoder(EngineInput)
-_OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineOutput)
+_OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineMessage)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -153,5 +174,5 @@ def decode_input(data: bytes) -> EngineInput:
     return _INPUT_DECODER.decode(data)
 
 
-def decode_output(data: bytes) -> EngineOutput:
+def decode_output(data: bytes) -> EngineMessage:
     return _OUTPUT_DECODER.decode(data)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_server.protocol import ModelCard
 
-MAX_IMAGES_PER_REQUEST = 10
-MAX_SEED = 2**63 - 1
+MAX_IMAGES_PER_REQUEST = 10  # the server's limit (the engine's row pool is sized for it); the rest are the model's
 
 
 class ImageGenerationRequest(BaseModel):
@@ -31,15 +31,16 @@ class ImageGenerationRequest(BaseModel):
         default="b64_json", description="Only b64_json: images are returned inline as base64 PNG."
     )
     negative_prompt: str | None = Field(default=None, description="What the image should not show (CFG).")
-    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_INFERENCE_STEPS)
     guidance_scale: float | None = Field(
-        default=None, ge=0.0, le=100.0,
+        default=None, ge=0.0, le=MAX_GUIDANCE_SCALE,
         description="The model's guidance: CFG for omni models, embedded guidance for FLUX.1-dev, the true-CFG scale "
                     "for families without embedded guidance (Qwen-Image, FLUX.1-schnell).")
     true_cfg_scale: float | None = Field(
-        default=None, ge=0.0, le=100.0,
+        default=None, ge=0.0, le=MAX_GUIDANCE_SCALE,
         description="Real families only: classifier-free guidance with the negative prompt (applies when > 1).")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED,
+                             description="Seed of image 0; image i uses seed + i, so seed + n - 1 must be <= 2**63 - 1.")
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
 
 

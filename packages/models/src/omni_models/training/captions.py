@@ -3,29 +3,22 @@
 A full caption reads ``"a red circle at the top left on a blue background"``. Training also shows the two
 shorter forms without the position clause or without the background clause, so prompts such as
 ``"a red circle"`` are in-distribution. ``VOCABULARY`` (padding and BOS first, see ``omni_models.tokenizer``) is
-what training writes to a model directory's ``vocab.json``.
+what training writes to a model directory's ``vocab.json``. The name tables live in the runtime module
+``omni_models.shapes_grammar``, which also reads prompts with the clauses in any order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omni_models.shapes_grammar import COLOR_NAMES, GRAMMAR_WORDS, POSITION_NAMES, SHAPE_NAMES
 from omni_models.tokenizer import BOS_TOKEN, PAD_TOKEN
 
-COLOR_NAMES: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "white", "black")
-SHAPE_NAMES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
-# Row-major 3x3 grid: index = 3 * row + column.
-POSITION_NAMES: tuple[str, ...] = (
-    "top left", "top", "top right",
-    "left", "center", "right",
-    "bottom left", "bottom", "bottom right",
-)
-_GRAMMAR_WORDS: tuple[str, ...] = ("a", "at", "the", "on", "background")
 
 VOCABULARY: tuple[str, ...] = (
     PAD_TOKEN,
     BOS_TOKEN,
-    *_GRAMMAR_WORDS,
+    *GRAMMAR_WORDS,
     *COLOR_NAMES,
     *SHAPE_NAMES,
     *sorted({word for name in POSITION_NAMES for word in name.split()}),

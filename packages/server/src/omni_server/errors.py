@@ -1,0 +1,66 @@
+"""Every error the HTTP server answers, in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Used by the routes (``api``), the ASGI guard in front of them (``http_guard``) and the HTTP/1.1 protocol
+below both (``http_protocol``), so even a malformed request line gets JSON, never ``text/plain``.
+Messages are capped (``--max-error-message-chars``): an error never echoes a client's megabytes back.
+"""
+
+from __future__ import annotations
+
+import json
+
+from omni_server.protocol import ErrorKind, RequestError
+
+# kind -> (HTTP status, OpenAI error type, default code)
+ERROR_STATUS: dict[ErrorKind, tuple[int, str, str]] = {
+    "invalid_request": (400, "invalid_request_error", "invalid_value"),
+    "capacity": (400, "invalid_request_error", "kv_capacity_exceeded"),
+    "engine": (500, "server_error", "engine_error"),
+    "aborted": (500, "server_error", "aborted"),
+    "unavailable": (503, "service_unavailable", "engine_unavailable"),
+    "timeout": (504, "timeout_error", "request_timeout"),
+}
+DEFAULT_MAX_MESSAGE_CHARS = 2000
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape; ``headers`` go on the response (``Retry-After``, ...); ``close``
+    ends the connection after it (the request's body was not read)."""
+
+    def __init__(self, status: int, message: str, *, type: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+        self.close = close
+
+    @classmethod
+    def from_request_error(cls, error: RequestError) -> APIError:
+        status, kind, code = ERROR_STATUS[error.kind]
+        return cls(status, error.message, type=kind, param=error.param, code=error.code or code)
+
+
+def invalid_field(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+def cap_message(message: str, max_chars: int = DEFAULT_MAX_MESSAGE_CHARS) -> str:
+    if len(message) <= max_chars:
+        return message
+    omitted = len(message) - max_chars
+    return f"{message[:max_chars]}... ({omitted} more characters omitted)"
+
+
+def error_body(error: APIError, max_chars: int = DEFAULT_MAX_MESSAGE_CHARS) -> bytes:
+    detail = {"message": cap_message(error.message, max_chars), "type": error.type, "param": error.param,
+              "code": error.code}
+    return json.dumps({"error": detail}).encode()
+
+
+def error_headers(error: APIError, body: bytes) -> list[tuple[bytes, bytes]]:
+    """Raw ASGI/h11 headers of an error response."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
+    if error.close:
+        headers.append((b"connection", b"close"))
+    return headers
