@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from omni_models.pipeline import Pipeline
 
 CFG_SIZES = (1, 2)
+# torch 2.13 renamed all_gather_into_tensor; the GPU image's torch 2.11 has only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_sequence_parallel(num_heads: int, sequence_parallel_size: int) -> None:
@@ -224,7 +226,7 @@ def _sp_gather(x: Tensor, split: _Split, state: ParallelState) -> Tensor:
     if state.sp_size == 1:
         return x[: split.total]
     out = torch.empty((split.local * state.sp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=state.sp_group)
+    _all_gather(out, x.contiguous(), group=state.sp_group)
     return split.full(out)
 
 
@@ -236,7 +238,7 @@ def _cfg_gather(local: Tensor, sizes: Sequence[int], state: ParallelState) -> li
     padded = local.new_zeros((longest, *local.shape[1:]))
     padded[: local.shape[0]] = local
     out = local.new_empty((longest * state.cfg_size, *local.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=state.cfg_group)
+    _all_gather(out, padded, group=state.cfg_group)
     return [out[r * longest : r * longest + size] for r, size in enumerate(sizes)]
 
 
