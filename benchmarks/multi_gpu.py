@@ -229,18 +229,6 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def summarize(runs: dict) -> dict:
-    base = runs["1gpu"]["workloads"]
-    summary = {}
-    for name, run in runs.items():
-        for workload, figures in run["workloads"].items():
-            entry = {"seconds": figures["seconds"], "image_tokens": figures["image_tokens"],
-                     "speedup_vs_1gpu": base[workload]["seconds"] / figures["seconds"],
-                     "psnr_vs_1gpu_db": psnr(_pixels(base[workload]["png"]), _pixels(figures["png"]))}
-            summary[f"{name}/{workload}"] = entry
-    return summary
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -274,22 +262,26 @@ def main() -> int:
     report["bandwidth"] = measure_bandwidth(smoke, args.out)
     for row in report["bandwidth"]:
         print(f"{row['op']:>10} {row['bytes'] / 2**20:8.1f} MiB: {row['busbw_GBps']:7.1f} GB/s bus", flush=True)
-    runs = {}
-    for name in names:
-        runs[name] = run_config(name, model_dir, model["sizes"], steps, repeats, smoke)
-    report["summary"] = summarize(runs)
-    for run in runs.values():
-        for figures in run["workloads"].values():
-            figures.pop("png")
-    report["runs"] = runs
-    for key, entry in report["summary"].items():
-        print(f"{key:>30}: {entry['seconds'] * 1e3:9.1f} ms  {entry['speedup_vs_1gpu']:5.2f}x  "
-              f"PSNR {entry['psnr_vs_1gpu_db']:.1f} dB", flush=True)
-    for name, run in runs.items():
+    runs: dict = {}
+    report["summary"], report["runs"] = {}, runs
+    base_pngs: dict[str, str] = {}
+    for name in names:  # the JSON is rewritten after every configuration, so a cut-short run keeps its figures
+        run = run_config(name, model_dir, model["sizes"], steps, repeats, smoke)
+        runs[name] = run
+        for workload, figures in run["workloads"].items():
+            png = figures.pop("png")
+            base_pngs.setdefault(workload, png)  # the 1gpu image (1gpu runs first and every workload)
+            base_seconds = runs["1gpu"]["workloads"][workload]["seconds"]
+            entry = {"seconds": figures["seconds"], "image_tokens": figures["image_tokens"],
+                     "speedup_vs_1gpu": base_seconds / figures["seconds"],
+                     "psnr_vs_1gpu_db": psnr(_pixels(base_pngs[workload]), _pixels(png))}
+            report["summary"][f"{name}/{workload}"] = entry
+            print(f"{name + '/' + workload:>30}: {entry['seconds'] * 1e3:9.1f} ms  {entry['speedup_vs_1gpu']:5.2f}x  "
+                  f"PSNR {entry['psnr_vs_1gpu_db']:.1f} dB", flush=True)
         if "rank0_device_bytes_excluding_kv" in run:
             print(f"{name:>22}: rank 0 device memory without KV {run['rank0_device_bytes_excluding_kv'] / 2**30:.2f} "
                   "GiB", flush=True)
-    (args.out / "multi_gpu.json").write_text(json.dumps(report, indent=1))
+        (args.out / "multi_gpu.json").write_text(json.dumps(report, indent=1))
     print(f"total {time.perf_counter() - started:.1f} s; wrote {args.out / 'multi_gpu.json'}")
     return 0
 

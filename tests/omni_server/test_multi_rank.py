@@ -165,3 +165,20 @@ def test_sigterm_stops_every_rank_cleanly(model_dir, server_factory, tools) -> N
         time.sleep(0.05)
     assert not [pid for pid in ranks if tools.pid_alive(pid)]
     assert "worker group stopped: worker exit codes [0]" in server.log()
+
+
+def test_multi_gpu_benchmark_runs_its_logic_on_cpu(tmp_path) -> None:
+    """benchmarks/multi_gpu.py --smoke: every configuration through the engine over gloo, images equal."""
+    import json
+
+    script = Path(__file__).parents[2] / "benchmarks" / "multi_gpu.py"
+    result = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "multi_gpu.json").read_text())
+    assert set(report["summary"]) == {
+        "1gpu/cfg", "1gpu/uncond", "1gpu/long", "1gpu/xl", "1gpu-offload/long", "cfg2/cfg", "cfg2/uncond",
+        "sp2/cfg", "sp2/long", "sp2/xl", "sp2-offload-allgather/long"}
+    assert all(entry["psnr_vs_1gpu_db"] >= 40.0 for entry in report["summary"].values())
+    assert {row["op"] for row in report["bandwidth"]} == {"all_to_all", "all_gather"}
+    assert report["runs"]["cfg2"]["world_size"] == 2
