@@ -182,3 +182,32 @@ def test_multi_gpu_benchmark_runs_its_logic_on_cpu(tmp_path) -> None:
     assert all(entry["psnr_vs_1gpu_db"] >= 40.0 for entry in report["summary"].values())
     assert {row["op"] for row in report["bandwidth"]} == {"all_to_all", "all_gather"}
     assert report["runs"]["cfg2"]["world_size"] == 2
+
+
+def _generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni_server", "generate", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+@pytest.mark.parametrize("family, flags, extra", [
+    ("flux", ["--sequence-parallel-size", "2"], []),
+    ("qwen-image", ["--cfg-parallel-size", "2"], ["--negative-prompt", "bad"]),
+], ids=["flux-sp2", "qwen-cfg2"])
+def test_generate_runs_a_diffusers_family_on_two_ranks(family, flags, extra, tmp_path) -> None:
+    """`omni-server generate` on two ranks draws the one-process image of a (tiny, random) family checkpoint."""
+    pytest.importorskip("diffusers")
+    from omni_models import synthetic
+
+    build = synthetic.flux_components if family == "flux" else synthetic.qwen_image_components
+    checkpoint = synthetic.save_checkpoint(family, build("tiny"), tmp_path / family)
+    common = ["a red circle", "--model", str(checkpoint), "--device", "cpu", "--steps", "2", "--image-seed", "3",
+              *extra]
+    one = _generate([*common, "-o", str(tmp_path / "one.png")], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _generate([*common, *flags, "-o", str(tmp_path / "two.png")], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (np.asarray(Image.open(tmp_path / name)).astype(np.float64) for name in ("one.png", "two.png"))
+    print(f"{family} {flags}: PSNR {_psnr(a, b):.1f} dB")
+    assert _psnr(a, b) >= 40.0
+    refused = _serve_exit([str(checkpoint), "--device", "cpu", *flags])
+    assert refused.returncode == 2 and "omni-server serve runs the causal-prefix DiT" in refused.stderr

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.world_size > 1:
             from omni_server.workers import check_parallel_config
 
-            check_parallel_config(config)
+            check_parallel_config(config, serving=args.command == "serve")
     except ConfigError as exc:
         parser.exit(2, f"omni-server: error: {exc}\n")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

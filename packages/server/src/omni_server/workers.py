@@ -55,8 +55,12 @@ _SEED_RANGE = 2**31 - 1
 # -- start-up checks ---------------------------------------------------------------------------------------------
 
 
-def check_parallel_config(config: ServerConfig) -> None:
-    """Fail before anything starts (``ConfigError`` naming the flag) when the world cannot run this model here."""
+def check_parallel_config(config: ServerConfig, *, serving: bool = True) -> None:
+    """Fail before anything starts (``ConfigError`` naming the flag) when the world cannot run this model here.
+
+    ``serving``: the checks of ``serve`` (whose engine runs the causal-prefix DiT on several GPUs); ``generate``
+    also runs the diffusers families on several GPUs (CFG-parallel: FLUX.1 and Qwen-Image; SP: FLUX.1).
+    """
     world = config.world_size
     if world == 1:
         return
@@ -73,7 +77,20 @@ def check_parallel_config(config: ServerConfig) -> None:
             )
         if device != "cuda":
             raise ConfigError(f"--device {device} names one GPU, but {world} ranks use one GPU each; pass --device cuda")
-    num_heads = _model_num_heads(config.model)
+    family, num_heads = _model_heads(config.model)
+    if family is not None:
+        if serving:
+            raise ConfigError(
+                "--cfg-parallel-size and --sequence-parallel-size: omni-server serve runs the causal-prefix DiT on "
+                f"several GPUs; {config.model!r} is a diffusers {family} checkpoint, which `omni-server generate` "
+                "runs on several GPUs (serve it on one)"
+            )
+        if config.sequence_parallel_size > 1 and family != "flux":
+            raise ConfigError(f"--sequence-parallel-size applies to FLUX.1 among the families, not {family}; use "
+                              "--cfg-parallel-size")
+        if config.enable_layerwise_offload or config.quantization:
+            raise ConfigError("--enable-layerwise-offload and --quantization are not combined with several GPUs for "
+                              "the diffusers families yet; drop them or the parallel flags")
     from omni_models.parallel import check_sequence_parallel
 
     try:
@@ -82,7 +99,10 @@ def check_parallel_config(config: ServerConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _model_num_heads(model: str) -> int:
+def _model_heads(model: str) -> tuple[str | None, int]:
+    """(diffusers family or None for the causal-prefix DiT, attention heads), read from config files only."""
+    import json
+
     from omni_models.checkpoint import load_config
     from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
 
@@ -91,12 +111,12 @@ def _model_num_heads(model: str) -> int:
     except Exception as exc:  # an unknown model is reported by the loader as usual; here it names the flags
         raise ConfigError(f"cannot check --sequence-parallel-size against model {model!r}: {exc}") from None
     if is_diffusers_checkpoint(directory):
-        raise ConfigError(
-            "--cfg-parallel-size and --sequence-parallel-size run the causal-prefix DiT family's paged forward; "
-            f"{model!r} is a diffusers family checkpoint, which serves on one GPU for now"
-        )
+        index = json.loads((directory / "model_index.json").read_text())
+        family = "flux" if "Flux" in str(index.get("_class_name")) else "qwen-image"
+        transformer = json.loads((directory / "transformer" / "config.json").read_text())
+        return family, int(transformer["num_attention_heads"])
     config, _ = load_config(directory)
-    return config.num_heads
+    return None, config.num_heads
 
 
 # -- rank 0: the pipeline the engine drives ------------------------------------------------------------------------
@@ -259,6 +279,7 @@ def _init_rank(config: ServerConfig, rank: int, store: Any) -> tuple[Any, Any, A
     import torch
     import torch.distributed as dist
 
+    from omni_models.families import FamilyPipeline
     from omni_models.parallel import enable_parallel, init_parallel
     from omni_server.loader import load_pipeline
 
@@ -272,7 +293,12 @@ def _init_rank(config: ServerConfig, rank: int, store: Any) -> tuple[Any, Any, A
     state = init_parallel(cfg_parallel_size=config.cfg_parallel_size,
                           sequence_parallel_size=config.sequence_parallel_size)
     pipeline = load_pipeline(rank_config)
-    enable_parallel(pipeline, state)
+    if isinstance(pipeline, FamilyPipeline):
+        from omni_models.family_parallel import enable_family_parallel
+
+        enable_family_parallel(pipeline, state)
+    else:
+        enable_parallel(pipeline, state)
     dist.barrier(group=control)  # every rank loaded: the group is ready
     return pipeline, control, state
 
