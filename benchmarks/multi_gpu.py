@@ -177,6 +177,26 @@ def _run_request(engine, request_id: str, params) -> tuple[float, bytes]:
                 return time.perf_counter() - start, output.images[0]
 
 
+def _throughput(engine, params, count: int) -> float:
+    """Images per second with ``count`` requests admitted together (their rows share every forward)."""
+    from omni_server.protocol import RequestFinished
+
+    start = time.perf_counter()
+    pending = {f"tp-{i}" for i in range(count)}
+    for request_id in sorted(pending):
+        engine.add(request_id, params)
+    while pending:
+        for output in engine.step():
+            if isinstance(output, RequestFinished):
+                if output.error is not None:
+                    raise RuntimeError(f"{output.request_id}: {output.error.message}")
+                pending.discard(output.request_id)
+    return count / (time.perf_counter() - start)
+
+
+THROUGHPUT = {"1gpu", "1gpu-offload", "sp2", "sp2-offload-allgather"}  # 'long' with 2 requests at once
+
+
 def run_config(name: str, model_dir: Path, sizes: dict, steps: int, repeats: int, smoke: bool) -> dict:
     from omni_server.config import ServerConfig
     from omni_server.engine import build_engine
@@ -209,6 +229,10 @@ def run_config(name: str, model_dir: Path, sizes: dict, steps: int, repeats: int
                                              "image_tokens": (height // patch) * (width // patch),
                                              "png": png.hex()}
             print(f"{name:>22} {workload:>6}: {statistics.median(times) * 1e3:9.1f} ms", flush=True)
+            if workload == "long" and name in THROUGHPUT:
+                rate = _throughput(engine, params, 2)
+                result["workloads"][workload]["images_per_s_2_concurrent"] = rate
+                print(f"{name:>22} {workload:>6}: {rate:.3f} images/s with 2 requests at once", flush=True)
     finally:
         engine.close()
         del engine
@@ -273,6 +297,7 @@ def main() -> int:
             base_pngs.setdefault(workload, png)  # the 1gpu image (1gpu runs first and every workload)
             base_seconds = runs["1gpu"]["workloads"][workload]["seconds"]
             entry = {"seconds": figures["seconds"], "image_tokens": figures["image_tokens"],
+                     "images_per_s_2_concurrent": figures.get("images_per_s_2_concurrent"),
                      "speedup_vs_1gpu": base_seconds / figures["seconds"],
                      "psnr_vs_1gpu_db": psnr(_pixels(base_pngs[workload]), _pixels(png))}
             report["summary"][f"{name}/{workload}"] = entry
