@@ -61,22 +61,9 @@ def check_parallel_config(config: ServerConfig, *, serving: bool = True) -> None
     ``serving``: the checks of ``serve`` (whose engine runs the causal-prefix DiT on several GPUs); ``generate``
     also runs the diffusers families on several GPUs (CFG-parallel: FLUX.1 and Qwen-Image; SP: FLUX.1).
     """
-    world = config.world_size
-    if world == 1:
+    if config.world_size == 1:
         return
-    device = config.resolved_device()
-    if device.startswith("cuda"):
-        import torch
-
-        available = torch.cuda.device_count()
-        if available != world:
-            raise ConfigError(
-                f"--cfg-parallel-size {config.cfg_parallel_size} x --sequence-parallel-size "
-                f"{config.sequence_parallel_size} = {world} ranks, but {available} CUDA device(s) are visible; "
-                f"one rank runs per GPU, so make CUDA_VISIBLE_DEVICES list exactly {world}"
-            )
-        if device != "cuda":
-            raise ConfigError(f"--device {device} names one GPU, but {world} ranks use one GPU each; pass --device cuda")
+    check_devices(config)
     family, num_heads = _model_heads(config.model)
     if family is not None:
         if serving:
@@ -97,6 +84,25 @@ def check_parallel_config(config: ServerConfig, *, serving: bool = True) -> None
         check_sequence_parallel(num_heads, config.sequence_parallel_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_devices(config: ServerConfig) -> None:
+    """On CUDA, one rank per visible GPU: ``ConfigError`` naming the flags unless the counts agree."""
+    world = config.world_size
+    device = config.resolved_device()
+    if world == 1 or not device.startswith("cuda"):
+        return
+    import torch
+
+    available = torch.cuda.device_count()
+    if available != world:
+        raise ConfigError(
+            f"--cfg-parallel-size {config.cfg_parallel_size} x --sequence-parallel-size "
+            f"{config.sequence_parallel_size} = {world} ranks, but {available} CUDA device(s) are visible; "
+            f"one rank runs per GPU, so make CUDA_VISIBLE_DEVICES list exactly {world}"
+        )
+    if device != "cuda":
+        raise ConfigError(f"--device {device} names one GPU, but {world} ranks use one GPU each; pass --device cuda")
 
 
 def _model_heads(model: str) -> tuple[str | None, int]:
@@ -318,6 +324,7 @@ class WorkerGroup:
         """Spawn ranks 1..N-1, join them as rank 0 and return the engine's pipeline."""
         import torch.distributed as dist
 
+        check_devices(config)  # also when the engine is built without the CLI
         group = cls(config)
         store = dist.TCPStore("127.0.0.1", 0, config.world_size, is_master=True, timeout=_STORE_TIMEOUT,
                               wait_for_workers=False)
