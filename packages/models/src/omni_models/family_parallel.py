@@ -35,14 +35,16 @@ if TYPE_CHECKING:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _tokens_to_heads(x: Tensor, state: ParallelState) -> Tensor:
-    """``[B, S / sp, H, D]`` -> ``[B, S, H / sp, D]`` (every rank's tokens, in rank order, for this rank's heads)."""
+def _tokens_to_heads(query: Tensor, key: Tensor, value: Tensor, state: ParallelState) -> tuple[Tensor, ...]:
+    """q, k, v ``[B, S / sp, H, D]`` -> ``[B, S, H / sp, D]`` (every rank's tokens, in rank order, for this rank's
+    heads), one all-to-all for the three."""
     sp = state.sp_size
-    batch, tokens, heads, size = x.shape
-    send = x.reshape(batch, tokens, sp, heads // sp, size).permute(2, 0, 1, 3, 4).contiguous()
+    batch, tokens, heads, size = query.shape
+    stacked = torch.stack((query, key, value))  # [3, B, S / sp, H, D]
+    send = stacked.reshape(3, batch, tokens, sp, heads // sp, size).permute(3, 0, 1, 2, 4, 5).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=state.sp_group)
-    return received.permute(1, 0, 2, 3, 4).reshape(batch, sp * tokens, heads // sp, size)
+    dist.all_to_all_single(received, send, group=state.sp_group)  # received[i]: rank i's tokens, my heads
+    return tuple(received.permute(1, 2, 0, 3, 4, 5).reshape(3, batch, sp * tokens, heads // sp, size).unbind(0))
 
 
 def _heads_to_tokens(x: Tensor, state: ParallelState) -> Tensor:
@@ -62,8 +64,7 @@ class UlyssesFluxAttnProcessor(OmniFluxAttnProcessor):
         self.state = state
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        gathered = (_tokens_to_heads(x, self.state) for x in (query, key, value))
-        return _heads_to_tokens(super().attend(*gathered), self.state)
+        return _heads_to_tokens(super().attend(*_tokens_to_heads(query, key, value, self.state)), self.state)
 
 
 def _slice(x: Tensor, dim: int, state: ParallelState) -> Tensor:

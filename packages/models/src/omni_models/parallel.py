@@ -152,14 +152,16 @@ def assign_rows(rows: Sequence[paged.RowRef], cfg_size: int) -> list[list[int]]:
 # -- Ulysses ---------------------------------------------------------------------------------------------------
 
 
-def _tokens_to_heads(x: Tensor, state: ParallelState) -> Tensor:
-    """``[T / sp, H, D]`` on each rank -> ``[T, H / sp, D]``: every token of this rank's head group."""
+def _tokens_to_heads(qkv: QKV, state: ParallelState) -> QKV:
+    """q, k, v ``[T / sp, H, D]`` on each rank -> ``[T, H / sp, D]`` (every token of this rank's head group), in one
+    all-to-all for the three."""
     sp = state.sp_size
-    tokens, heads, size = x.shape
-    send = x.reshape(tokens, sp, heads // sp, size).transpose(0, 1).contiguous()  # slice j goes to rank j
+    tokens, heads, size = qkv.query.shape
+    stacked = torch.stack(tuple(qkv), dim=1)  # [T / sp, 3, H, D]
+    send = stacked.reshape(tokens, 3, sp, heads // sp, size).permute(2, 0, 1, 3, 4).contiguous()  # j -> rank j
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=state.sp_group)  # received[i]: rank i's tokens, my heads
-    return received.reshape(sp * tokens, heads // sp, size)
+    return QKV(*received.reshape(sp * tokens, 3, heads // sp, size).unbind(1))
 
 
 def _heads_to_tokens(x: Tensor, state: ParallelState) -> Tensor:
@@ -210,7 +212,7 @@ class _UlyssesAttention:
     def _gather(self, qkv: QKV | None, split: _Split | None) -> QKV | None:
         if qkv is None:
             return None
-        return QKV(*(split.full(_tokens_to_heads(x, self.state)) for x in qkv))
+        return QKV(*(split.full(x) for x in _tokens_to_heads(qkv, self.state)))
 
     def __call__(self, attn: JointAttention, prefix: QKV | None, target: QKV | None):
         out_prefix, out_target = self.inner(attn, self._gather(prefix, self.splits[0]),

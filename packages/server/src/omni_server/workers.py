@@ -453,7 +453,8 @@ class _WorkerState:
             for op, argument in ops:
                 getattr(self.table, op)(argument)
             batch = self._batch(entries)
-            self.jobs = {key: job for key, job in self.jobs.items() if key in set(live)}
+            alive = set(live)
+            self.jobs = {key: job for key, job in self.jobs.items() if key in alive}
             if kind == "prefix":
                 self.pipeline.run_prefix(batch)
             else:
