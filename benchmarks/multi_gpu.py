@@ -93,6 +93,8 @@ def write_model(directory: Path, smoke: bool) -> dict:
         model.to(torch.float32 if smoke else torch.bfloat16)
         save_model(model, vocabulary, directory, max_shard_bytes=2**31)
         del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return {"config": config.to_dict(), "sizes": sizes,
             "parameters": sum(p.numel() for p in _meta_model(config).parameters())}
 
