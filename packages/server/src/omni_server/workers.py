@@ -316,7 +316,9 @@ class WorkerGroup:
         self.config = config
         self.world_size = config.world_size
         self._procs: list[subprocess.Popen] = []
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # no worker exit is a fault any more (clean stop or failure)
+        self._fail_lock = threading.Lock()
+        self._failing = False
         self._control: Any = None
 
     @classmethod
@@ -364,10 +366,19 @@ class WorkerGroup:
             self.fail(f"worker rank {rank} (pid {proc.pid}) exited with code {code}")
 
     def fail(self, reason: str, *, exit_process: bool = True) -> None:
-        """The group is broken: kill every worker, then (by default) end this process so the server sees it."""
-        if self._stopping.is_set() and exit_process:
+        """The group is broken: kill every worker, then (by default) end this process so the server sees it.
+
+        Only the first caller acts; a later one (the watcher and rank 0's failed collective race) blocks until
+        the first ends the process, so no request is answered as if the engine lived on.
+        """
+        with self._fail_lock:
+            first = not self._failing
+            self._failing = True
+            self._stopping.set()
+        if not first:
+            if exit_process:
+                threading.Event().wait()
             return
-        self._stopping.set()
         logger.error("worker group failed: %s; stopping every rank", reason)
         self._kill_workers()
         if exit_process:
