@@ -97,3 +97,10 @@ def load_config(directory: Path) -> tuple[DiTConfig, tuple[str, ...]]:
     if len(vocabulary) != config.vocab_size:
         raise ValueError(f"{directory / VOCAB_NAME} has {len(vocabulary)} words but config says {config.vocab_size}")
     return config, vocabulary
+
+
+def save_model(model: torch.nn.Module, vocabulary: tuple[str, ...], directory: Path, *,
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write a causal-prefix DiT (``model.config``, its vocabulary and weights) as a loadable model directory."""
+    save_config(model.config, vocabulary, directory)
+    return save_weights(model.state_dict(), directory, max_shard_bytes=max_shard_bytes)

@@ -41,7 +41,13 @@ def rotate_complex(x: Tensor, freqs: Tensor) -> Tensor:
 
 
 class OmniFluxAttnProcessor:
-    """For ``FluxAttention`` layers: double-stream blocks (text via the ``add_*`` projections) and single-stream ones."""
+    """For ``FluxAttention`` layers: double-stream blocks (text via the ``add_*`` projections) and single-stream ones.
+
+    ``attend`` is the attention over ``[B, S, H, D]`` (``omni_models.family_parallel`` swaps in Ulysses).
+    """
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        return attention(query, key, value)
 
     def __call__(
         self,
@@ -69,7 +75,7 @@ class OmniFluxAttnProcessor:
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
             query, key = rotate_interleaved(query, cos, sin), rotate_interleaved(key, cos, sin)
-        out = attention(query, key, value).flatten(2, 3).to(query.dtype)
+        out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
         text_len = encoder_hidden_states.shape[1]

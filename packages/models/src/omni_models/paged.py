@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from diffusion_kv import (
@@ -27,6 +28,7 @@ from diffusion_kv import (
     AttentionCacheSpec,
     BatchRow,
     PreparedBatch,
+    RowIdentity,
     WorkerRowTable,
     prepare_batch,
 )
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from omni_models.graphs import StepGraphs
 from omni_models.model import QKV, CausalPrefixDiT, JointAttention, patchify, unpatchify
-from omni_models.runner import ScheduledJob
+from omni_models.runner import GenerationJob, GenerationRow, ScheduledJob
 
 
 def _resolved(device: torch.device) -> torch.device:
@@ -116,17 +118,28 @@ def _check_jobs(batch: Sequence[ScheduledJob], *, denoise: bool) -> None:
             raise ValueError(f"job already ran all {job.num_steps} steps; decode it and free its blocks")
 
 
-def _prefix_batch(kv: PagedKV, batch: Sequence[ScheduledJob]) -> PreparedBatch:
-    return prepare_batch(kv.rows, [
-        BatchRow.prefix(identity, row.prefix_len)
-        for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)
-    ])
+class RowRef(NamedTuple):
+    """One CFG row of a scheduled job: the job it advances, the row, and its ``diffusion_kv`` row."""
+
+    job: GenerationJob
+    row: GenerationRow
+    identity: RowIdentity
 
 
-def _prefix_inputs(model: CausalPrefixDiT, batch: Sequence[ScheduledJob], kv: PagedKV) -> Tensor:
-    rows = [row for scheduled in batch for row in scheduled.job.rows]
-    token_ids = torch.tensor([i for row in rows for i in row.token_ids], device=kv.device)
-    positions = torch.cat([torch.arange(row.prefix_len) for row in rows]).to(kv.device)
+def batch_rows(batch: Sequence[ScheduledJob]) -> list[RowRef]:
+    """Every row of every job of ``batch``, in forward order (job order, then ``job.rows`` order)."""
+    return [RowRef(scheduled.job, row, identity)
+            for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)]
+
+
+def prefix_batch(kv: PagedKV, rows: Sequence[RowRef]) -> PreparedBatch:
+    return prepare_batch(kv.rows, [BatchRow.prefix(ref.identity, ref.row.prefix_len) for ref in rows])
+
+
+def prefix_inputs(model: CausalPrefixDiT, rows: Sequence[RowRef], kv: PagedKV) -> Tensor:
+    """The prompt-token embeddings of ``rows``, flat ``[prefix tokens, width]``."""
+    token_ids = torch.tensor([i for ref in rows for i in ref.row.token_ids], device=kv.device)
+    positions = torch.cat([torch.arange(ref.row.prefix_len) for ref in rows]).to(kv.device)
     return model.embed_prefix(token_ids, positions).to(kv.dtype)
 
 
@@ -134,8 +147,9 @@ def _prefix_inputs(model: CausalPrefixDiT, batch: Sequence[ScheduledJob], kv: Pa
 def write_prefix(model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob]) -> None:
     """Compute and write every row's prefix K/V (all layers); marks the jobs ``prefix_written``."""
     _check_jobs(batch, denoise=False)
-    attend = _LayerAttention(kv, _prefix_batch(kv, batch), None)
-    prefix = _prefix_inputs(model, batch, kv)
+    rows = batch_rows(batch)
+    attend = _LayerAttention(kv, prefix_batch(kv, rows), None)
+    prefix = prefix_inputs(model, rows, kv)
     for block in model.blocks:
         prefix, _ = block(prefix, None, None, attend)
     for scheduled in batch:
@@ -152,21 +166,16 @@ class _StepPlan:
     row_ids: Tensor        # the request row of every target token [target tokens]
 
 
-def _plan(model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], recompute_prefix: bool) -> _StepPlan:
+def target_plan(model: CausalPrefixDiT, kv: PagedKV, rows: Sequence[RowRef], recompute_prefix: bool) -> _StepPlan:
+    """The attention batches, position rows and row ids of a denoise forward over ``rows``."""
     target_batch = prepare_batch(kv.rows, [
-        BatchRow.target(identity, row.prefix_len, row.target_len)
-        for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)
+        BatchRow.target(ref.identity, ref.row.prefix_len, ref.row.target_len) for ref in rows
     ])
-    positions, target_lens = [], []
-    for scheduled in batch:
-        job = scheduled.job
-        table = model.target_positions(job.request.height, job.request.width, kv.device)
-        for row in job.rows:
-            positions.append(table)
-            target_lens.append(row.target_len)
+    positions = [model.target_positions(ref.job.request.height, ref.job.request.width, kv.device) for ref in rows]
+    target_lens = [ref.row.target_len for ref in rows]
     return _StepPlan(
-        attend=_LayerAttention(kv, _prefix_batch(kv, batch) if recompute_prefix else None, target_batch),
-        prefix=_prefix_inputs(model, batch, kv) if recompute_prefix else None,
+        attend=_LayerAttention(kv, prefix_batch(kv, rows) if recompute_prefix else None, target_batch),
+        prefix=prefix_inputs(model, rows, kv) if recompute_prefix else None,
         positions=torch.cat(positions),
         row_ids=torch.repeat_interleave(
             torch.arange(len(target_lens), device=kv.device), torch.tensor(target_lens, device=kv.device)
@@ -223,11 +232,11 @@ def predict_velocities(
     if graphs is not None and kv.device.type == "cuda":
         velocity = graphs.run(
             _layout_key(kv, batch, recompute_prefix),
-            lambda: _plan(model, kv, batch, recompute_prefix),
+            lambda: target_plan(model, kv, batch_rows(batch), recompute_prefix),
             functools.partial(_velocity, model), patches, times,
         )
     else:
-        velocity = _velocity(model, _plan(model, kv, batch, recompute_prefix), patches, times)
+        velocity = _velocity(model, target_plan(model, kv, batch_rows(batch), recompute_prefix), patches, times)
 
     config = model.config
     per_job, offset = [], 0

@@ -31,7 +31,7 @@ from diffusion_kv import (
 )
 from PIL import Image
 
-from omni_models import paged, shapes_grammar
+from omni_models import paged, parallel, shapes_grammar
 from omni_models.checkpoint import load_config, load_weights
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
 
     from omni_models.families import FamilyPipeline
+    from omni_models.parallel import ParallelState
 
 AttentionBackend = Literal["paged", "dense"]
 CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
@@ -120,6 +121,8 @@ class Pipeline:
         self._kv_layers = tuple(discover_kv_cache_specs(model).values())  # block order: layer_index order
         self.kv_caches: list[torch.Tensor] = []
         self._paged_kv: paged.PagedKV | None = None  # the bound caches plus the engine's row table
+        # This rank's share of a multi-rank forward (omni_models.parallel.enable_parallel); None: one rank.
+        self.parallel: ParallelState | None = None
 
     # --- request validation -------------------------------------------------------------------------------------
 
@@ -275,7 +278,7 @@ class Pipeline:
 
     def run_prefix(self, batch: StepBatch) -> None:
         """Write every row's prefix K/V into its blocks of the bound caches (once per job)."""
-        paged.write_prefix(self.model, self._bound_kv(), batch)
+        self._write_prefix(self._bound_kv(), batch)
 
     def run_denoise_step(self, batch: StepBatch, *, recompute_prefix: bool = False) -> None:
         """One Euler step for each job in the batch, reading cached prefix K/V through the block tables.
@@ -283,8 +286,19 @@ class Pipeline:
         ``recompute_prefix`` runs the prompt tokens through every block again instead (the no-reuse baseline of
         the benchmarks: same images, more work).
         """
+        if self.parallel is not None:
+            if recompute_prefix:
+                raise ValueError("recompute_prefix is a single-rank benchmark baseline; run it without parallelism")
+            parallel.denoise_step(self.model, self._bound_kv(), batch, self.parallel)
+            return
         paged.denoise_step(self.model, self._bound_kv(), batch, recompute_prefix=recompute_prefix,
                            graphs=self.step_graphs)
+
+    def _write_prefix(self, kv: paged.PagedKV, batch: StepBatch) -> None:
+        if self.parallel is not None:
+            parallel.write_prefix(self.model, kv, batch, self.parallel)
+        else:
+            paged.write_prefix(self.model, kv, batch)
 
     def decode(self, job: GenerationJob) -> Image.Image:
         if not job.finished:
@@ -335,10 +349,13 @@ class Pipeline:
 
     def _generate_paged(self, jobs: list[GenerationJob], callback) -> list[Image.Image]:
         kv, batch = self._private_pool(jobs, CALL_BLOCK_SIZE)
-        paged.write_prefix(self.model, kv, batch)
+        self._write_prefix(kv, batch)
         graphs = StepGraphs(max_graphs=1) if self.cuda_graphs else None
         for step in range(jobs[0].num_steps):
-            paged.denoise_step(self.model, kv, batch, graphs=graphs)
+            if self.parallel is not None:
+                parallel.denoise_step(self.model, kv, batch, self.parallel)
+            else:
+                paged.denoise_step(self.model, kv, batch, graphs=graphs)
             if callback is not None:
                 callback(self, step, jobs[0].times[step], {"latents": torch.stack([job.latents for job in jobs])})
         return [self.decode(job) for job in jobs]

@@ -47,6 +47,19 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: 
     offload.add_argument("--offload-resident-layers", "--dlo-resident-layers", dest="offload_resident_layers",
                          type=int, default=S,
                          help=f"leading blocks that stay on the device {_default('offload_resident_layers')}")
+    _bool_flag(offload, "--offload-allgather", "offload_allgather",
+               "shard the streamed blocks across the sequence-parallel ranks' host memory and AllGather each "
+               "block just in time (needs --enable-layerwise-offload and --sequence-parallel-size >= 2)")
+
+    parallel = parser.add_argument_group(
+        "ParallelConfig", "one request on several GPUs: one process per GPU, world size = CFG x SP")
+    parallel.add_argument("--cfg-parallel-size", dest="cfg_parallel_size", type=int, choices=[1, 2], default=S,
+                          help="run the cond and uncond rows of guided requests on two ranks "
+                               f"{_default('cfg_parallel_size')}")
+    parallel.add_argument("--sequence-parallel-size", dest="sequence_parallel_size", type=int, default=S,
+                          metavar="N",
+                          help="Ulysses sequence parallelism: split each forward's tokens over N ranks (all-to-all "
+                               f"over heads; N must divide the model's heads) {_default('sequence_parallel_size')}")
 
     quant = parser.add_argument_group("QuantizationConfig", "FP8 weights (fp8_cache)")
     quant.add_argument("--quantization", default=S, choices=["fp8"], help="quantize eligible linears to FP8")
@@ -191,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        if config.world_size > 1:
+            from omni_server.workers import check_parallel_config
+
+            check_parallel_config(config, serving=args.command == "serve")
     except ConfigError as exc:
         parser.exit(2, f"omni-server: error: {exc}\n")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

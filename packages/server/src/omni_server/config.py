@@ -82,6 +82,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     offload_resident_layers: int = 0
     quantization: Literal["fp8"] | None = None
     fp8_cache_dir: str | None = None
+    # several GPUs for one request (omni_server.workers): world size = cfg_parallel_size x sequence_parallel_size
+    cfg_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    offload_allgather: bool = False
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
@@ -115,6 +119,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def model_name(self) -> str:
         """The name clients pass as ``model`` (defaults to the model argument)."""
         return self.served_model_name or self.model
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (one process per GPU) that serve each request: CFG-parallel x sequence-parallel."""
+        return self.cfg_parallel_size * self.sequence_parallel_size
 
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda`` when a CUDA device is visible, else ``cpu``."""
@@ -152,6 +161,25 @@ def _validate(cfg: ServerConfig) -> None:
             "offload_resident_layers only applies to layerwise offload; "
             "add --enable-layerwise-offload or drop --offload-resident-layers"
         )
+    if cfg.cfg_parallel_size not in (1, 2):
+        raise ConfigError(
+            f"cfg_parallel_size must be 1 or 2 (one rank per CFG branch); got {cfg.cfg_parallel_size} "
+            "(--cfg-parallel-size)"
+        )
+    if cfg.sequence_parallel_size < 1:
+        raise ConfigError(f"sequence_parallel_size must be >= 1; got {cfg.sequence_parallel_size} "
+                          "(--sequence-parallel-size)")
+    if cfg.offload_allgather and not cfg.enable_layerwise_offload:
+        raise ConfigError("--offload-allgather shards the offloaded block weights; add --enable-layerwise-offload "
+                          "or drop --offload-allgather")
+    if cfg.offload_allgather and cfg.sequence_parallel_size < 2:
+        raise ConfigError(
+            "--offload-allgather shards block weights over the sequence-parallel group (the DLO group is DP, else "
+            "SP; CFG ranks never share weights), so it needs --sequence-parallel-size >= 2"
+        )
+    if cfg.offload_allgather and cfg.offload_resident_layers:
+        raise ConfigError("--offload-allgather streams every block from the ranks' shards; drop "
+                          "--offload-resident-layers (resident blocks need rank-local offload)")
     if cfg.fp8_cache_dir is not None and cfg.quantization != "fp8":
         raise ConfigError(
             "fp8_cache_dir caches FP8 weights, so it needs --quantization fp8; "

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from omni_server.config import ServerConfig
+from omni_server.config import ConfigError, ServerConfig
 from omni_server.schemas import MAX_IMAGES_PER_REQUEST
 from omni_server.protocol import (
     EngineOutput,
@@ -52,6 +52,9 @@ def build_engine(config: ServerConfig) -> Engine:
     if is_diffusers_checkpoint(resolve_model_dir(config.model)):
         from omni_server.family_engine import FamilyEngine
 
+        if config.world_size > 1:
+            raise ConfigError("--cfg-parallel-size / --sequence-parallel-size: the families' engine serves on one GPU "
+                              "(omni-server generate runs them on several)")
         return FamilyEngine(load_pipeline(config), config)
     from omni_server.paged_engine import PagedEngine
 
@@ -61,7 +64,13 @@ def build_engine(config: ServerConfig) -> Engine:
         from diffusion_kv.sizing import requested_device_memory
 
         requested_memory = requested_device_memory(config.resolved_device(), config.gpu_memory_utilization)
-    return PagedEngine(load_pipeline(config), config, requested_memory=requested_memory)
+    if config.world_size > 1:
+        from omni_server.workers import WorkerGroup
+
+        pipeline = WorkerGroup.start(config)  # rank 0 of one process per GPU; the scheduler stays here
+    else:
+        pipeline = load_pipeline(config)
+    return PagedEngine(pipeline, config, requested_memory=requested_memory)
 
 
 DIT_REQUEST_FIELDS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed")

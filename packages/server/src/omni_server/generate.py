@@ -69,21 +69,42 @@ def generate_to_files(
     """Load the model as ``serve`` would, generate ``n`` images and write them as PNG.
 
     Image ``i`` is seeded ``seed + i``; a real family maps the request's fields as the server's engine does
-    (``family_engine.family_request_kwargs``), so ``generate`` and ``serve`` draw the same images.
+    (``family_engine.family_request_kwargs``), so ``generate`` and ``serve`` draw the same images. With a world
+    size above 1 this process is rank 0 of one process per GPU (``omni_server.workers``).
     """
-    from omni_models import FamilyPipeline, InvalidRequestError
-
-    from omni_server.family_engine import family_request_kwargs
     from omni_server.loader import load_pipeline
-    from omni_server.protocol import GenerationParams
 
     if n < 1:
         raise GenerateError(f"-n must be >= 1; got {n}")
     height, width = parse_size(size)
     try:
-        pipeline = load_pipeline(config)
+        if config.world_size > 1:
+            from omni_server.workers import WorkerGroup
+
+            pipeline = WorkerGroup.start(config)  # this process is rank 0 of one process per GPU
+        else:
+            pipeline = load_pipeline(config)
     except ConfigError as exc:
         raise GenerateError(str(exc)) from None
+    try:
+        return _generate(pipeline, prompt=prompt, output=output, n=n, negative_prompt=negative_prompt,
+                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                         true_cfg_scale=true_cfg_scale, height=height, width=width, seed=seed,
+                         progress_stream=progress_stream)
+    finally:
+        close = getattr(pipeline, "close", None)
+        if close is not None:
+            close()
+
+
+def _generate(pipeline: Any, *, prompt: str, output: Path, n: int, negative_prompt: str | None,
+              num_inference_steps: int | None, guidance_scale: float | None, true_cfg_scale: float | None,
+              height: int | None, width: int | None, seed: int | None, progress_stream: TextIO) -> list[Path]:
+    from omni_models import FamilyPipeline, InvalidRequestError
+
+    from omni_server.family_engine import family_request_kwargs
+    from omni_server.protocol import GenerationParams
+
     steps = num_inference_steps if num_inference_steps is not None else pipeline.info.default_steps
     bar = ProgressBar(int(steps), progress_stream)
 
@@ -91,7 +112,8 @@ def generate_to_files(
         bar.advance()
 
     try:
-        if isinstance(pipeline, FamilyPipeline):
+        # A multi-rank pipeline (omni_server.workers.DistributedPipeline) wraps rank 0's own pipeline.
+        if isinstance(getattr(pipeline, "local", pipeline), FamilyPipeline):
             params = GenerationParams(prompt=prompt, negative_prompt=negative_prompt, n=n, height=height, width=width,
                                       num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                       true_cfg_scale=true_cfg_scale, seed=seed)

@@ -131,8 +131,13 @@ def _load_omni_model(directory: Path, config: ServerConfig, *, device: Any, dtyp
     if offload:
         from dlo_offload import enable_layerwise_offload
 
+        group = None
+        if config.offload_allgather:  # the DLO group of the worker group's rank layout (SP when DP is 1)
+            from dlo_offload import get_model_parallel_groups, select_dlo_group
+
+            group = select_dlo_group(get_model_parallel_groups())
         handle = enable_layerwise_offload(model, offload_plan(config.offload_resident_layers), device=device,
-                                          use_allgather=False)
+                                          group=group, use_allgather=config.offload_allgather)
         logger.info("layerwise offload: blocks stream to %s, %d resident", device, config.offload_resident_layers)
     return Pipeline(model, Tokenizer(vocabulary, max_tokens=model_config.max_prompt_tokens), device=device,
                     dtype=dtype, offload=handle)

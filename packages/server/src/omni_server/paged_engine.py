@@ -123,7 +123,8 @@ class PagedEngine:
         self._admission: FairAdmission[_PublicRequest] = FairAdmission(request_id=lambda r: r.request_id)
         self._selection = StepSelection(config.max_rows_per_step)
         # The block tables of the scheduled rows, on the pipeline's device: its forwards read them from here.
-        self._rows = WorkerRowTable(
+        row_table_type = getattr(pipeline, "row_table_type", WorkerRowTable)  # workers mirror a multi-rank table
+        self._rows = row_table_type(
             num_rows=self._scheduler.worker_row_pool_size, max_rows_per_request=max_rows,
             num_blocks=self.sizing.num_blocks, block_size=self.sizing.block_size,
             max_model_len=self.sizing.max_model_len,
@@ -413,3 +414,6 @@ class PagedEngine:
         self._scheduler.close()
         self._admission.clear()
         self._requests.clear()
+        close = getattr(self._pipeline, "close", None)
+        if close is not None:  # a multi-rank pipeline stops its worker processes
+            close()

@@ -1,0 +1,136 @@
+"""One request of a diffusers family on several ranks: CFG-parallel rows (FLUX.1, Qwen-Image) and Ulysses sequence
+parallelism (FLUX.1).
+
+Same contract as ``omni_models.parallel`` (groups from ``dlo_offload``'s parallel state through ``init_parallel``;
+every rank runs the same ``FamilyPipeline`` calls, each computes its share and every rank ends each forward with
+every row's velocity, so every rank advances every job alike and any rank decodes):
+
+- CFG-parallel: the rows of one transformer forward (cond and uncond rows of true-CFG jobs, single rows of the
+  others) are cut into ``cfg`` contiguous shares of near-equal count (rows of one forward have the same size, so
+  equal counts are equal work); a true-CFG job's cond and uncond rows are adjacent, so with one such job they
+  land on different ranks. A lone unguided row runs on CFG rank 0 while rank 1 waits at the all-gather.
+- Ulysses SP (FLUX.1 only): each rank feeds the transformer its slice of the text tokens and of the image tokens
+  (and of their position ids, so FLUX's rotary embedding is computed per local token); the attention processor
+  all-to-alls ``[B, S / sp, H, D]`` into ``[B, S, H / sp, D]`` around the attention and back. FLUX attends over
+  every token without a mask, so the gathered order of the tokens does not matter. Text and image lengths must
+  divide by ``sp`` (a padded token would be attended to). Qwen-Image rows carry ragged text, which this split does
+  not handle yet: SP is refused for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from omni_models.family_attention import OmniFluxAttnProcessor
+from omni_models.parallel import ParallelState, check_sequence_parallel
+
+if TYPE_CHECKING:
+    from omni_models.families import DenoiseRow, FamilyPipeline
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _tokens_to_heads(query: Tensor, key: Tensor, value: Tensor, state: ParallelState) -> tuple[Tensor, ...]:
+    """q, k, v ``[B, S / sp, H, D]`` -> ``[B, S, H / sp, D]`` (every rank's tokens, in rank order, for this rank's
+    heads), one all-to-all for the three."""
+    sp = state.sp_size
+    batch, tokens, heads, size = query.shape
+    stacked = torch.stack((query, key, value))  # [3, B, S / sp, H, D]
+    send = stacked.reshape(3, batch, tokens, sp, heads // sp, size).permute(3, 0, 1, 2, 4, 5).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=state.sp_group)  # received[i]: rank i's tokens, my heads
+    return tuple(received.permute(1, 2, 0, 3, 4, 5).reshape(3, batch, sp * tokens, heads // sp, size).unbind(0))
+
+
+def _heads_to_tokens(x: Tensor, state: ParallelState) -> Tensor:
+    """Inverse of ``_tokens_to_heads``."""
+    sp = state.sp_size
+    batch, total, heads, size = x.shape
+    send = x.reshape(batch, sp, total // sp, heads, size).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=state.sp_group)  # received[j]: my tokens, head group j
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, total // sp, sp * heads, size)
+
+
+class UlyssesFluxAttnProcessor(OmniFluxAttnProcessor):
+    """``OmniFluxAttnProcessor`` whose attention runs over every rank's tokens for this rank's head group."""
+
+    def __init__(self, state: ParallelState) -> None:
+        self.state = state
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        return _heads_to_tokens(super().attend(*_tokens_to_heads(query, key, value, self.state)), self.state)
+
+
+def _slice(x: Tensor, dim: int, state: ParallelState) -> Tensor:
+    return x.chunk(state.sp_size, dim=dim)[state.sp_rank]
+
+
+class ParallelFamilyBackend:
+    """A family backend whose ``forward`` runs this rank's share; everything else is the wrapped backend's."""
+
+    def __init__(self, backend: Any, state: ParallelState) -> None:
+        self.inner = backend
+        self.state = state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
+        state = self.state
+        per_rank = -(-len(rows) // state.cfg_size)
+        mine = list(rows[state.cfg_rank * per_rank : (state.cfg_rank + 1) * per_rank])
+        if mine:
+            local = self._forward_sp(mine, height, width) if state.sp_size > 1 else self.inner.forward(mine, height,
+                                                                                                      width)
+        else:
+            local = None
+        if state.cfg_size == 1:
+            return local
+        shape = rows[0].latents.shape
+        padded = torch.zeros((per_rank, *shape), dtype=self.inner.dtype, device=self.inner.device)
+        if local is not None:
+            padded[: local.shape[0]] = local
+        out = padded.new_empty((per_rank * state.cfg_size, *shape))
+        _all_gather(out, padded, group=state.cfg_group)
+        return out[: len(rows)]
+
+    def _forward_sp(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
+        inner, state = self.inner, self.state
+        text = torch.stack([row.text.tokens for row in rows])
+        latents = torch.stack([row.latents for row in rows])
+        for name, length in (("text", text.shape[1]), ("image", latents.shape[1])):
+            if length % state.sp_size:
+                raise ValueError(f"--sequence-parallel-size {state.sp_size} does not divide the {length} {name} tokens "
+                                 "of this forward; choose a size (or max_sequence_length) they divide into")
+        guidance = None
+        if inner.transformer.config.guidance_embeds:
+            guidance = torch.tensor([row.guidance for row in rows], dtype=torch.float32, device=inner.device)
+        txt_ids = torch.zeros(text.shape[1], 3, device=inner.device, dtype=inner.dtype)
+        local = inner.transformer(
+            hidden_states=_slice(latents, 1, state), timestep=inner._timesteps(rows), guidance=guidance,
+            pooled_projections=torch.stack([row.text.pooled for row in rows]),
+            encoder_hidden_states=_slice(text, 1, state), txt_ids=_slice(txt_ids, 0, state),
+            img_ids=_slice(inner._image_ids(height, width), 0, state), return_dict=False,
+        )[0]
+        gathered = local.new_empty((state.sp_size * local.shape[0], *local.shape[1:]))
+        _all_gather(gathered, local.contiguous(), group=state.sp_group)  # rank-major: [sp * B, S / sp, C]
+        return gathered.unflatten(0, (state.sp_size, -1)).transpose(0, 1).flatten(1, 2)
+
+
+def enable_family_parallel(pipe: FamilyPipeline, state: ParallelState) -> None:
+    """Run ``pipe``'s transformer forwards as this rank's share (CFG rows; Ulysses SP for FLUX.1)."""
+    if isinstance(pipe.backend, ParallelFamilyBackend):
+        raise RuntimeError("this pipeline already runs in parallel")
+    if state.sp_size > 1:
+        if pipe.info.family != "flux":
+            raise ValueError(f"--sequence-parallel-size applies to FLUX.1 among the families; {pipe.info.family} rows "
+                             "carry ragged text that the Ulysses split does not handle yet (use --cfg-parallel-size)")
+        check_sequence_parallel(pipe.transformer.config.num_attention_heads, state.sp_size)
+        pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state))
+    pipe.backend = ParallelFamilyBackend(pipe.backend, state)

@@ -1,0 +1,57 @@
+"""One rank of a multi-rank paged forward (run by test_parallel.py as N real processes over gloo).
+
+argv: MODE MODEL_DIR OUT_DIR, MODE one of cfg2, sp2, sp2-allgather, cfg2-unguided, sp2-cfg2. Writes
+``rank{R}.pt`` with every job's final latents, or ``rank{R}.err`` with the error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_cases import CASES, run_jobs  # noqa: E402
+
+
+def main() -> None:
+    mode, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        from dlo_offload import get_model_parallel_groups, select_dlo_group, enable_layerwise_offload
+        from omni_models import load
+        from omni_models.integrations import offload_plan
+        from omni_models.parallel import enable_parallel, init_parallel
+
+        cfg = 2 if "cfg2" in mode else 1
+        sp = 2 if "sp2" in mode else 1
+        state = init_parallel(cfg_parallel_size=cfg, sequence_parallel_size=sp)
+        pipeline = load(str(model_dir), device="cpu", dtype=torch.float32)
+        offload = None
+        if "allgather" in mode:
+            group = select_dlo_group(get_model_parallel_groups())
+            offload = enable_layerwise_offload(pipeline.model, offload_plan(), device="cpu", group=group,
+                                               use_allgather=True)
+        enable_parallel(pipeline, state)
+        latents = run_jobs(pipeline, CASES["unguided" if "unguided" in mode else "mixed"])
+        info = {"latents": latents, "offload_mode": offload.mode if offload else None,
+                "host_nbytes": offload.host_nbytes if offload else None,
+                "kv_heads": pipeline.kv_caches[0].shape[-2]}
+        torch.save(info, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        from dlo_offload import destroy_model_parallel
+
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""CFG-parallel (FLUX.1, Qwen-Image) and Ulysses SP (FLUX.1) for the diffusers families: two real processes over
+gloo reproduce the one-process latents of a batch holding a true-CFG job and a single-row job."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+sys.path.insert(0, str(Path(__file__).parent))
+from family_parallel_cases import run_family_jobs  # noqa: E402
+
+WORKER = Path(__file__).with_name("family_parallel_worker.py")
+
+
+def _psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
+    mse = float(((reference - other) ** 2).mean())
+    peak = float(reference.max() - reference.min())
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def _run(mode: str, checkpoint: Path, out: Path) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(checkpoint), str(out)],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{mode}: a rank hung")
+    errors = [(out / f"rank{r}.err").read_text() for r in range(2) if (out / f"rank{r}.err").exists()]
+    assert not errors and all(p.returncode == 0 for p in procs), "\n".join(errors + [log[-3000:] for log in logs])
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2", "qwen-cfg2"])
+def test_two_ranks_reproduce_the_family_latents(mode, request, tmp_path) -> None:
+    import omni_models
+
+    family = mode.split("-")[0]
+    checkpoint = request.getfixturevalue("flux_dev_dir" if family == "flux" else "qwen_image_dir")
+    expected = run_family_jobs(omni_models.load(str(checkpoint), max_sequence_length=16), family)
+    reports = _run(mode, checkpoint, tmp_path)
+    for rank, report in enumerate(reports):
+        for job, (want, got) in enumerate(zip(expected, report["latents"], strict=True)):
+            value = _psnr(want, got)
+            print(f"{mode} rank {rank} job {job}: PSNR {value:.1f} dB, max abs diff {(want - got).abs().max():.2e}")
+            assert value >= 40.0
+    for job in range(len(expected)):
+        assert torch.equal(reports[0]["latents"][job], reports[1]["latents"][job])
+
+
+def test_sequence_parallel_is_refused_for_qwen_image(qwen_image_dir) -> None:
+    import omni_models
+    from omni_models.family_parallel import enable_family_parallel
+    from omni_models.parallel import ParallelState
+
+    pipe = omni_models.load(str(qwen_image_dir))
+    with pytest.raises(ValueError, match="--sequence-parallel-size applies to FLUX.1"):
+        enable_family_parallel(pipe, ParallelState(sp_size=2))
