@@ -103,3 +103,57 @@ def _dense_velocity(dit: CausalPrefixDiT, ids: Tensor, dtype: torch.dtype) -> Ve
         return dit.forward_target(x[None].to(dtype), tt, prefix)[0].float()
 
     return velocity
+
+
+class PagedAcoustic:
+    """The acoustic transformer run through omni's paged pipeline: each window's code K/V are written once into
+    ``diffusion_kv`` blocks and read through block tables by every Euler step."""
+
+    def __init__(self, dit: CausalPrefixDiT, config: MusicConfig, *, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32, block_size: int = 16) -> None:
+        from omni_models.pipeline import Pipeline
+        from omni_models.tokenizer import BOS_TOKEN, PAD_TOKEN, Tokenizer
+
+        self.config = config
+        self.block_size = block_size
+        self.pipeline = Pipeline(dit, Tokenizer([PAD_TOKEN, BOS_TOKEN]), device=torch.device(device), dtype=dtype,
+                                 attention_backend="paged")
+
+    def denoise(self, ids: Tensor, noise: Tensor, times: list[float], known: Tensor | None) -> Tensor:
+        """Like `denoise_window`, through the paged cache (one private pool per window)."""
+        from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow
+
+        w = self.config.window_frames
+        request = GenerationRequest(prompt="", negative_prompt=None, num_inference_steps=len(times) - 1,
+                                    guidance_scale=1.0, seed=0, height=1, width=w)
+        job = GenerationJob(request=request, rows=(GenerationRow("cond", tuple(ids.tolist()), w),),
+                            latents=noise.clone().to(self.pipeline.device), times=tuple(times))
+        batch = self.pipeline.allocate_kv_caches_for([job], self.block_size)
+        self.pipeline.run_prefix(batch)
+        for t in times[:-1]:
+            if known is not None:
+                k = known.shape[-1]
+                job.latents[..., :k] = (1 - t) * known + t * noise[..., :k].to(job.latents.device)
+            self.pipeline.run_denoise_step(batch)
+        if known is not None:
+            job.latents[..., : known.shape[-1]] = known
+        return job.latents
+
+
+@torch.no_grad()
+def generate_latents_paged(paged: PagedAcoustic, codes: Tensor, *, seed: int, steps: int | None = None) -> Tensor:
+    """`generate_latents` through `PagedAcoustic` (the serving path)."""
+    config = paged.config
+    total = codes.shape[0]
+    out = torch.zeros(total, config.latent_channels)
+    times = euler_times(steps or config.acoustic_steps).tolist()
+    device = paged.pipeline.device
+    done = 0
+    for index, w in enumerate(chunk_windows(total, config.window_frames, config.hop_frames)):
+        ids = acoustic_prefix_ids(codes[w.start:w.end].cpu(), config)
+        known_frames = done - w.start
+        known = out[w.start:done].T[:, None, :].to(device) if known_frames > 0 else None
+        x = paged.denoise(ids, window_noise(seed, index, config), times, known)
+        out[done:w.end] = x[:, 0, max(known_frames, 0):w.length].T.float().cpu()
+        done = w.end
+    return out
