@@ -393,8 +393,9 @@ class ARStage:
         return done
 
     def abort(self, pair_id: str) -> None:
-        """Abort one member's request id (cfg-pairing finishes its partner); the song's state is dropped."""
-        self.engine.abort_request([pair_id])
+        """Abort a song: both rows' request ids (the engine front end tracks each id; cfg-pairing's scheduler
+        would finish the partner of either one on its own). The song's worker state is dropped."""
+        self.engine.abort_request([pair_id, pair_id + CFG_UNCOND_SUFFIX])
         self.finished[pair_id] = True
         self.runtime.forget(pair_id)
 
