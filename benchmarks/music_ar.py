@@ -60,18 +60,22 @@ def main() -> None:
     stages = {"paired": ARStage(model_dir, config, max_num_seqs=2 * args.songs),
               "unpaired": ARStage(model_dir, config, max_num_seqs=2 * args.songs, paired=False)}
     runs: dict[str, list[dict[str, float]]] = {"paired": [], "unpaired": []}
+    for side, stage in stages.items():  # warm-up, not recorded
+        run_side(stage, [SongRequest(f"warm-{side}-{i}", tokenizer.encode(CAPTIONS[i % 4], LYRICS), i, 8)
+                         for i in range(args.songs)])
     for repeat in range(args.repeats):
         for side in ("paired", "unpaired") if repeat % 2 == 0 else ("unpaired", "paired"):
             songs = [SongRequest(f"{side}-{repeat}-{i}", tokenizer.encode(CAPTIONS[i % len(CAPTIONS)], LYRICS), i,
                                  args.frames) for i in range(args.songs)]
             runs[side].append(run_side(stages[side], songs))
             print(side, runs[side][-1], flush=True)
+    ratios = [p["ms_per_frame"] / u["ms_per_frame"] for p, u in zip(runs["paired"], runs["unpaired"])]
     ratio = statistics.median(p["ms_per_frame"] / u["ms_per_frame"] for p, u in zip(runs["paired"], runs["unpaired"]))
     # Real-time factor of the whole shipped model on CPU: one song, AR + acoustic + decoder.
     start = time.perf_counter()
     song = pipeline.generate([MusicRequest(LYRICS, CAPTIONS[0], seed=0, max_frames=args.frames)])[0]
     seconds = time.perf_counter() - start
-    result = {"runs": runs, "paired_over_unpaired_ms_per_frame": ratio,
+    result = {"runs": runs, "paired_over_unpaired_ms_per_frame": ratio, "per_run_ratios": ratios,
               "rtf": {"seconds": seconds, "audio_seconds": song.seconds, "rtf": seconds / max(song.seconds, 1e-9)},
               "cpu_threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}
     print(f"AR ms per guided frame: paired {statistics.median(r['ms_per_frame'] for r in runs['paired']):.2f}, "
