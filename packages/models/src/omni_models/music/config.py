@@ -67,7 +67,7 @@ class MusicConfig:
     max_frames: int = 160
     default_frames: int = 96
     max_prompt_tokens: int = 96
-    ar_guidance: float = 3.0
+    ar_guidance: float = 1.5
     ar_top_k: int = 8
 
     def __post_init__(self) -> None:

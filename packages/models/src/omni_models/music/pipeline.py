@@ -86,6 +86,11 @@ class MusicPipeline:
         self._counter = 0
 
     @property
+    def paged_acoustic(self) -> PagedAcoustic | None:
+        """The paged acoustic runner (None with ``acoustic_attention="dense"``)."""
+        return self._paged
+
+    @property
     def ar(self):  # noqa: ANN201 - the vLLM-backed stage, built on first use
         if self._ar is None:
             from omni_models.music._vllm import ARStage
