@@ -28,7 +28,7 @@ PACKAGES = {
 }
 LEAVES = ("diffusion_kv", "dlo_offload", "fp8_cache", "cfg_pairing")
 COMPOSERS = ("omni_models", "omni_server")
-VLLM_ADAPTERS = {"diffusion_kv": "_vllm.py", "cfg_pairing": "_vllm.py"}
+VLLM_ADAPTERS = {"diffusion_kv": "_vllm.py", "cfg_pairing": "_vllm.py", "omni_models": "music/_vllm.py"}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
