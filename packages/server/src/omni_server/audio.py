@@ -113,7 +113,7 @@ def create_audio_app(config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, config.max_error_message_chars)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -212,8 +212,11 @@ def _model_problem(config: ServerConfig) -> str | None:
     """Why the model cannot be loaded (one line: the file and the problem), checked before anything starts."""
     from omni_models import CheckpointError, InvalidRequestError, MissingDependencyError
 
+    from omni_server.audio import is_music_model
     from omni_server.loader import check_model
 
+    if is_music_model(config.model):
+        return None  # a music model: its pipeline checks its own files when it loads
     try:
         check_model(config)
     except (CheckpointError, InvalidRequestError, MissingDependencyError) as exc:
