@@ -54,7 +54,7 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from cfg_pairing import _patch_scheduler  # noqa: E402
+from cfg_pairing import CFGPairingScheduler  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
@@ -234,7 +234,7 @@ def main() -> None:
         args.max_prompt, args.max_output, args.num_blocks = 96, 20, 512
 
     init_none_hash(sha256)
-    patched_cls = _patch_scheduler(type("PairedScheduler", (Scheduler,), {}))
+    patched_cls = CFGPairingScheduler
     with tempfile.TemporaryDirectory() as tmp:
         model_config = tiny_model_config(Path(tmp))
         results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "out"}}

@@ -53,10 +53,10 @@ class VllmHarness:
 
     @staticmethod
     def _patched_subclass(base: type) -> type:
-        from cfg_pairing import _patch_scheduler
+        from cfg_pairing import CFGPairingAsyncScheduler, CFGPairingScheduler
 
-        # A subclass keeps vLLM's own class unpatched for the baseline runs.
-        return _patch_scheduler(type(f"Paired{base.__name__}", (base,), {}))
+        # vLLM's own classes stay the baseline; the pairing classes are their subclasses.
+        return CFGPairingAsyncScheduler if base.__name__ == "AsyncScheduler" else CFGPairingScheduler
 
     def scheduler(
         self,

@@ -15,12 +15,17 @@ from typing import Any
 import pytest
 
 from cfg_pairing import (
-    _equalize_cfg_pair_progress,
-    _patch_scheduler,
+    CFGPairingMixin,
     cfg_uncond_suffixes,
+    equalize_cfg_pair_progress,
     register_cfg_uncond_suffix,
 )
-from cfg_pairing import pair_ids, scheduler_patches
+from cfg_pairing import pair_ids
+
+
+def paired(cls: type) -> type:
+    """The stand-in class with the pairing mixin in front, as vLLM's classes get it."""
+    return type(f"Paired{cls.__name__}", (CFGPairingMixin, cls), {})
 
 
 class StubRequest:
@@ -102,9 +107,7 @@ def make_scheduler_class(with_skipped_queue: bool = False) -> type:
 
 @pytest.fixture
 def scheduler() -> Any:
-    cls = make_scheduler_class()
-    _patch_scheduler(cls)
-    return cls()
+    return paired(make_scheduler_class())()
 
 
 @pytest.fixture(autouse=True)
@@ -243,7 +246,7 @@ def test_a_completed_pair_is_admitted_in_one_step(scheduler: Any) -> None:
 
 
 def test_the_hold_budget_releases_a_lone_member_unguided(scheduler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_patches, "_MAX_PAIR_HOLD_STEPS", 2)
+    monkeypatch.setattr(type(scheduler), "max_pair_hold_steps", 2)
     scheduler.add_request(cond())
 
     scheduler.schedule()
@@ -262,7 +265,7 @@ def test_the_hold_budget_releases_a_lone_member_unguided(scheduler: Any, monkeyp
 def test_a_partner_arriving_after_release_runs_as_plain_traffic(
     scheduler: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(scheduler_patches, "_MAX_PAIR_HOLD_STEPS", 1)
+    monkeypatch.setattr(type(scheduler), "max_pair_hold_steps", 1)
     scheduler.add_request(cond())
     scheduler.schedule()
     scheduler.schedule()  # released
@@ -289,9 +292,7 @@ def test_held_requests_go_back_even_if_the_base_schedule_raises(scheduler: Any) 
 
 
 def test_a_member_whose_partner_is_parked_in_another_queue_is_held() -> None:
-    cls = make_scheduler_class(with_skipped_queue=True)
-    _patch_scheduler(cls)
-    scheduler = cls()
+    scheduler = paired(make_scheduler_class(with_skipped_queue=True))()
     member, partner = cond(), uncond()
     scheduler.add_request(member)
     scheduler.add_request(partner)
@@ -362,7 +363,7 @@ def equalize_case(cc: int, uc: int, cs: int, us: int) -> tuple[Any, StepOutput, 
 def test_equalize_takes_the_lead_back_from_the_member_ahead() -> None:
     holder, output, member_a, member_b = equalize_case(10, 6, 5, 4)
 
-    _equalize_cfg_pair_progress(holder, output)
+    equalize_cfg_pair_progress(holder, output)
 
     assert (member_a.num_computed_tokens, member_b.num_computed_tokens) == (6, 6)
     assert output.num_scheduled_tokens == {"req-1": 1, "req-1__cfg_uncond": 4}
@@ -372,7 +373,7 @@ def test_equalize_takes_the_lead_back_from_the_member_ahead() -> None:
 def test_equalize_leaves_an_aligned_pair_alone() -> None:
     holder, output, member_a, member_b = equalize_case(8, 8, 4, 4)
 
-    _equalize_cfg_pair_progress(holder, output)
+    equalize_cfg_pair_progress(holder, output)
 
     assert (member_a.num_computed_tokens, member_b.num_computed_tokens) == (8, 8)
     assert output.num_scheduled_tokens == {"req-1": 4, "req-1__cfg_uncond": 4}
@@ -382,7 +383,7 @@ def test_equalize_leaves_an_aligned_pair_alone() -> None:
 def test_equalize_skips_a_rollback_that_would_leave_a_member_without_tokens() -> None:
     holder, output, member_a, _ = equalize_case(10, 6, 4, 4)
 
-    _equalize_cfg_pair_progress(holder, output)
+    equalize_cfg_pair_progress(holder, output)
 
     assert member_a.num_computed_tokens == 10
     assert output.total_num_scheduled_tokens == 8
@@ -391,7 +392,7 @@ def test_equalize_skips_a_rollback_that_would_leave_a_member_without_tokens() ->
 def test_equalize_skips_a_pair_with_an_unscheduled_member() -> None:
     holder, output, member_a, _ = equalize_case(10, 6, 5, 0)
 
-    _equalize_cfg_pair_progress(holder, output)
+    equalize_cfg_pair_progress(holder, output)
 
     assert member_a.num_computed_tokens == 10
     assert output.total_num_scheduled_tokens == 5
@@ -498,19 +499,17 @@ def test_plain_requests_take_the_original_path(scheduler: Any) -> None:
     assert output.num_scheduled_tokens == {"plain-1": 1, "plain-2": 1}
     assert output.total_num_scheduled_tokens == 2
     assert scheduler.finish_calls == [({"plain-1"}, "FINISHED_STOPPED")]
-    assert not hasattr(scheduler, "_cfg_hold_counts")
+    assert scheduler._cfg_hold_counts == {}
 
 
-def test_patching_twice_wraps_once() -> None:
-    cls = make_scheduler_class()
-    _patch_scheduler(cls)
-    schedule = cls.schedule
+def test_plain_stand_in_without_the_mixin_never_pairs() -> None:
+    scheduler = make_scheduler_class()()
+    scheduler.add_request(cond())
 
-    _patch_scheduler(cls)
+    scheduler.schedule()
 
-    assert cls.schedule is schedule
-    assert schedule._cfg_pairing_patched is True
-    assert schedule._audex_cfg_patched is True
+    assert ids(scheduler.running) == ["req-1"]  # a lone cond member runs at once: nobody holds it
+    assert not hasattr(scheduler, "_cfg_pairs")
 
 
 def test_an_unhashable_pair_id_runs_as_plain_traffic(scheduler: Any) -> None:
@@ -520,17 +519,13 @@ def test_an_unhashable_pair_id_runs_as_plain_traffic(scheduler: Any) -> None:
     assert ids(scheduler.waiting) == ["req-1"]
 
 
-def test_a_scheduler_built_before_the_patch_pairs_requests_added_after_it() -> None:
-    cls = make_scheduler_class()
-    early = cls()
-    early.add_request(StubRequest("plain"))
-    _patch_scheduler(cls)
+def test_instances_never_share_registries() -> None:
+    cls = paired(make_scheduler_class())
+    first, second = cls(), cls()
+    first.add_request(cond())
+    first.add_request(uncond())
 
-    assert early.schedule().num_scheduled_tokens == {"plain": 1}
-    early.add_request(cond())
-    early.add_request(uncond())
-
-    assert early._cfg_pairs == {"req-1": {"cond": "req-1", "uncond": "req-1__cfg_uncond"}}
-    assert cls()._cfg_pairs == {}  # instances never share registries
-    early.schedule()
-    assert ids(early.running) == ["plain", "req-1", "req-1__cfg_uncond"]
+    assert first._cfg_pairs == {"req-1": {"cond": "req-1", "uncond": "req-1__cfg_uncond"}}
+    assert second._cfg_pairs == {}
+    first.schedule()
+    assert ids(first.running) == ["req-1", "req-1__cfg_uncond"]

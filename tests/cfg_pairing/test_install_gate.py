@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -59,52 +60,60 @@ def test_extra_args_keys_are_sorted_names_only() -> None:
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
     )
 
 
-def test_import_works_without_vllm_and_patching_says_what_to_install() -> None:
+def test_import_works_without_vllm_and_the_scheduler_says_what_to_install() -> None:
     result = run_python(
         """
         import sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
         import cfg_pairing
-        assert not cfg_pairing.cfg_patches_applied()
+        cfg_pairing.CFGPairingMixin
         try:
-            cfg_pairing.apply_cfg_patches()
+            cfg_pairing.CFGPairingScheduler
         except ImportError as exc:
             print(exc)
         else:
-            raise SystemExit("apply_cfg_patches worked without vLLM")
+            raise SystemExit("CFGPairingScheduler resolved without vLLM")
         """
     )
     assert result.returncode == 0, result.stderr
     assert "pip install 'cfg-pairing[cpu]'" in result.stdout
 
 
-def test_the_gate_patches_vllm_once_and_only_for_cfg_stages() -> None:
+def test_the_gate_selects_the_pairing_scheduler_only_for_cfg_stages() -> None:
     pytest.importorskip("vllm")
-    result = run_python(
-        """
-        from types import SimpleNamespace
-        import cfg_pairing
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.config import SchedulerConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-        plain_stage = SimpleNamespace(model_config=SimpleNamespace(logits_processors=None))
-        assert cfg_pairing.maybe_apply_cfg_scheduler_patches(plain_stage) is False
-        assert not hasattr(Scheduler.schedule, "_cfg_pairing_patched")
-        assert not cfg_pairing.cfg_patches_applied()
+    import cfg_pairing
 
-        cfg_stage = SimpleNamespace(model_config=SimpleNamespace(sampling_extra_args_keys=("cfg_role",)))
-        assert cfg_pairing.maybe_apply_cfg_scheduler_patches(cfg_stage) is True
-        schedule = Scheduler.schedule
-        assert schedule._cfg_pairing_patched and schedule._audex_cfg_patched
-        assert AsyncScheduler.schedule is schedule
-        cfg_pairing.apply_cfg_patches()
-        assert Scheduler.schedule is schedule and cfg_pairing.cfg_patches_applied()
-        print("ok")
-        """
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().endswith("ok")
+    def stage(model_config: SimpleNamespace, **scheduler_kwargs: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            model_config=model_config, scheduler_config=SchedulerConfig.default_factory(**scheduler_kwargs)
+        )
+
+    plain = stage(SimpleNamespace(logits_processors=None))
+    assert cfg_pairing.configure_cfg_scheduler(plain) is False
+    assert plain.scheduler_config.get_scheduler_cls() is Scheduler
+
+    paired = stage(SimpleNamespace(sampling_extra_args_keys=("cfg_role",)))
+    assert cfg_pairing.configure_cfg_scheduler(paired) is True
+    assert paired.scheduler_config.get_scheduler_cls() is cfg_pairing.CFGPairingScheduler
+    assert issubclass(cfg_pairing.CFGPairingScheduler, Scheduler)
+    # vLLM's own classes are untouched.
+    assert "schedule" not in vars(Scheduler) or Scheduler.schedule.__module__.startswith("vllm.")
+    assert Scheduler.add_request.__module__.startswith("vllm.")
+
+    paired_async = stage(SimpleNamespace(sampling_extra_args_keys=("cfg_role",)), async_scheduling=True)
+    assert cfg_pairing.configure_cfg_scheduler(paired_async) is True
+    assert paired_async.scheduler_config.get_scheduler_cls() is cfg_pairing.CFGPairingAsyncScheduler
+    assert issubclass(cfg_pairing.CFGPairingAsyncScheduler, AsyncScheduler)
+
+    other = stage(SimpleNamespace(sampling_extra_args_keys=("cfg_role",)), scheduler_cls="my.Scheduler")
+    with pytest.raises(ValueError, match="leave scheduler_cls unset"):
+        cfg_pairing.configure_cfg_scheduler(other)
+    assert other.scheduler_config.scheduler_cls == "my.Scheduler"

@@ -15,7 +15,6 @@ pytest.importorskip("vllm", reason="the real-scheduler tests need vLLM: pip inst
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from cfg_pairing import scheduler_patches  # noqa: E402
 
 
 def assert_step_locked(record: Any, pairs: list[tuple[str, str]]) -> None:
@@ -99,7 +98,7 @@ def test_a_small_kv_pool_makes_the_next_pair_wait_whole(vllm_harness: Any) -> No
     admitted = {rid: i for i, r in enumerate(records) for rid in r.new_request_ids}
     assert admitted["second"] == admitted["second__cfg_uncond"] > admitted["first"]
     assert all("second" not in r.scheduled for r in records[: finish_step(records, "first")])
-    assert "allocate_slots" not in vars(scheduler.kv_cache_manager)  # the gate lives for one call only
+    assert scheduler.kv_cache_manager.pair_gate is None  # the gate lives for one call only
     assert vllm_harness.free_blocks(scheduler) == baseline
     assert scheduler._cfg_pairs == {}
 
@@ -175,8 +174,8 @@ def test_a_prefix_cache_hit_does_not_start_one_member_ahead(vllm_harness: Any) -
 def test_a_lone_member_waits_for_its_partner_then_runs_unguided(
     vllm_harness: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(scheduler_patches, "_MAX_PAIR_HOLD_STEPS", 3)
     scheduler = vllm_harness.scheduler()
+    monkeypatch.setattr(type(scheduler), "max_pair_hold_steps", 3)
     baseline = vllm_harness.free_blocks(scheduler)
     cond, _ = vllm_harness.pair("req-1", 20, max_tokens=2)
     scheduler.add_request(cond)
@@ -212,8 +211,8 @@ def test_plain_traffic_is_scheduled_exactly_as_without_the_patches(vllm_harness:
 
     assert patched == unpatched
     assert len(unpatched) > 10
-    assert not hasattr(scheduler, "_cfg_hold_counts")
-    assert "allocate_slots" not in vars(scheduler.kv_cache_manager)
+    assert scheduler._cfg_hold_counts == {} and scheduler._cfg_released_pairs == {}
+    assert scheduler.kv_cache_manager.pair_gate is None
     assert scheduler.scheduler_config.long_prefill_token_threshold == 0
 
 

@@ -73,7 +73,7 @@ def test_random_workloads_keep_pairs_in_step(
     else:
         raise AssertionError("the workload did not drain in 600 steps")
 
-    released = set(vars(scheduler).get("_cfg_released_pairs", ()))
+    released = set(scheduler._cfg_released_pairs)
     for cond_id, uncond_id in pair_ids:
         assert cond_id in finished_at and uncond_id in finished_at
         if cond_id in released:

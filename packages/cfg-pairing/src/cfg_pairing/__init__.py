@@ -1,31 +1,57 @@
-"""Keeps classifier-free-guidance cond/uncond request pairs step-locked in vLLM's v1 Scheduler.
+"""Keeps classifier-free-guidance cond/uncond request pairs step-locked in vLLM's v1 scheduler.
 
-``import cfg_pairing`` does not import vLLM; `apply_cfg_patches` does.
+``import cfg_pairing`` does not import vLLM. `CFGPairingScheduler` and
+`CFGPairingAsyncScheduler` (vLLM ``Scheduler`` / ``AsyncScheduler`` subclasses,
+selected through ``SchedulerConfig.scheduler_cls``) import it on first use.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import Any
 
-from cfg_pairing._vllm import apply_cfg_patches, cfg_patches_applied, maybe_apply_cfg_scheduler_patches
-from cfg_pairing.equalize import _equalize_cfg_pair_progress
-from cfg_pairing.install_gate import sampling_extra_args_keys, stage_declares_cfg_pairs
+__version__ = "0.2.0"
+
+from cfg_pairing.equalize import equalize_cfg_pair_progress
+from cfg_pairing.install_gate import (
+    cfg_scheduler_cls,
+    configure_cfg_scheduler,
+    sampling_extra_args_keys,
+    stage_declares_cfg_pairs,
+)
 from cfg_pairing.pair_ids import (
     DEFAULT_UNCOND_SUFFIX,
     cfg_uncond_suffixes,
     register_cfg_uncond_suffix,
 )
-from cfg_pairing.scheduler_patches import _patch_scheduler
+from cfg_pairing.scheduler import CFGPairingMixin
+
+# Names resolved on first use, so that importing the package does not import vLLM.
+_LAZY = {
+    "CFGPairingScheduler": "cfg_pairing._vllm",
+    "CFGPairingAsyncScheduler": "cfg_pairing._vllm",
+    "PairGatedKVCacheManager": "cfg_pairing._vllm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cfg_pairing' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
+    "CFGPairingAsyncScheduler",
+    "CFGPairingMixin",
+    "CFGPairingScheduler",
     "DEFAULT_UNCOND_SUFFIX",
+    "PairGatedKVCacheManager",
     "__version__",
-    "_equalize_cfg_pair_progress",
-    "_patch_scheduler",
-    "apply_cfg_patches",
-    "cfg_patches_applied",
+    "cfg_scheduler_cls",
     "cfg_uncond_suffixes",
-    "maybe_apply_cfg_scheduler_patches",
+    "configure_cfg_scheduler",
+    "equalize_cfg_pair_progress",
     "register_cfg_uncond_suffix",
     "sampling_extra_args_keys",
     "stage_declares_cfg_pairs",

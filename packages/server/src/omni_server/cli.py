@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate one image in this process",
                                    description="Generate images for one prompt and write them as PNG.")
-    generate.add_argument("prompt", help="what the image shows")
+    generate.add_argument("prompt", help="what the image shows (for a music model: the caption)")
     request = generate.add_argument_group("Request")
     request.add_argument("-o", "--output", default="out.png", help="PNG path; with -n > 1, NAME-i.png (default: out.png)")
     request.add_argument("-n", type=int, default=1, help="number of images (default: 1)")
@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's)")
     request.add_argument("--image-seed", dest="image_seed", type=int, default=None,
                          help="seed of this image (default: --seed)")
+    song = generate.add_argument_group("Music", "for a music model (e.g. --model omni-tones-tiny): writes a WAV")
+    song.add_argument("--lyrics", default=None, help="structure-tagged lyrics, e.g. '[verse]\\nla la'")
+    song.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=None,
+                      help="cap on audio frames (default: the model's maximum)")
     _add_engine_arguments(generate, model_positional=False)
     return parser
 
@@ -225,8 +229,11 @@ def _model_problem(config: ServerConfig) -> str | None:
     """Why the model cannot be loaded (one line: the file and the problem), checked before anything starts."""
     from omni_models import CheckpointError, InvalidRequestError, MissingDependencyError
 
+    from omni_server.audio import is_music_model
     from omni_server.loader import check_model
 
+    if is_music_model(config.model):
+        return None  # a music model: its pipeline checks its own files when it loads
     try:
         check_model(config)
     except (CheckpointError, InvalidRequestError, MissingDependencyError) as exc:
@@ -235,6 +242,10 @@ def _model_problem(config: ServerConfig) -> str | None:
 
 
 def _generate(args: argparse.Namespace, config: ServerConfig) -> int:
+    if args.lyrics is not None:
+        from omni_server.audio import generate_song
+
+        return generate_song(args, config)
     from omni_server.generate import GenerateError, generate_to_files
 
     try:

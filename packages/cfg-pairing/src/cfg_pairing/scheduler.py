@@ -1,48 +1,43 @@
-"""Scheduler patches that keep CFG cond/uncond pairs step-locked.
+"""`CFGPairingMixin`: the scheduler behaviour that keeps CFG cond/uncond pairs step-locked.
 
-`_patch_scheduler(cls)` wraps a scheduler class in place. The class needs the
-v1 scheduler's shape: ``waiting`` (a queue with ``remove_requests`` and
-``prepend_request``), ``running``, ``requests``, ``max_num_scheduled_tokens``,
-``schedule()``, ``add_request()`` and ``finish_requests()``. vLLM's
-``Scheduler`` has all of it and more; the extra vLLM hooks
-(``_update_after_schedule``, ``update_from_output``, ``kv_cache_manager``) are
-used when present.
+The mixin goes in front of a scheduler class with the v1 scheduler's shape:
+``waiting`` (a queue with ``remove_requests`` and ``prepend_request``),
+``running``, ``requests``, ``max_num_scheduled_tokens``, ``schedule()``,
+``add_request()`` and ``finish_requests()``. `cfg_pairing.CFGPairingScheduler`
+and `cfg_pairing.CFGPairingAsyncScheduler` put it (plus the vLLM-only hooks of
+``cfg_pairing._vllm``) in front of vLLM's ``Scheduler`` and ``AsyncScheduler``;
+vLLM picks them through ``SchedulerConfig.scheduler_cls``. Tests put it in
+front of a small stand-in class.
 
-Per-scheduler state (created by the wrapped ``__init__``):
+Per-scheduler state, all created in ``__init__``:
 
 * ``_cfg_pairs``: ``pair_id -> {role: request_id}``;
 * ``_cfg_req_to_pair``: ``request_id -> pair_id``; both registries always name
   the same requests;
-* ``_cfg_hold_counts``: ``request_id -> schedule calls held``, created lazily on
-  the first schedule call that sees a pair, so plain traffic never allocates it;
-* ``_cfg_released_pairs``: pair ids released unguided (bounded, lazy), so a
-  partner that arrives after its pair was given up runs as plain traffic
-  instead of waiting out a fresh hold budget;
-* ``_cfg_reorder_pending``: a member arrived since the wait queue was last
-  put in pair order.
+* ``_cfg_hold_counts``: ``request_id -> schedule calls held``;
+* ``_cfg_released_pairs``: pair ids released unguided (bounded), so a partner
+  that arrives after its pair was given up runs as plain traffic instead of
+  waiting out a fresh hold budget;
+* ``_cfg_reorder_pending``: a member arrived since the wait queue was last put
+  in pair order;
+* ``_cfg_pairs_apart``: complete pairs the current step did not schedule
+  together (handed from the pre-advance equalization to the split check).
 
-A scheduler whose registries are empty takes the original code path: one dict
-truthiness test per call, plus one ``extra_args`` look-up per added request.
+A scheduler whose registries are empty takes the base class's code path: one
+dict truthiness test per call, plus one ``extra_args`` look-up per added request.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
-from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 from cfg_pairing import pair_ids
-from cfg_pairing.admission import gate_pair_admissions
-from cfg_pairing.equalize import _equalize_cfg_pair_progress, equalize_before_advance
+from cfg_pairing.equalize import equalize_cfg_pair_progress
 
 logger = logging.getLogger("cfg_pairing")
-
-# Schedule calls a lone member waits for its partner before it runs unguided.
-# Read at call time (tests and deployments may change it after import).
-_MAX_PAIR_HOLD_STEPS: int = 512
 
 # How many released pair ids a scheduler remembers to recognise late partners.
 _RELEASED_PAIR_MEMORY: int = 4096
@@ -52,25 +47,14 @@ _RELEASED_PAIR_MEMORY: int = 4096
 # not-ready requests in `skipped_waiting`.
 _WAITING_QUEUE_ATTRS: tuple[str, ...] = ("kv_holding_waiting", "skipped_waiting", "waiting")
 
-_PATCH_MARKERS = ("_cfg_pairing_patched", "_audex_cfg_patched")
-
 
 # ---------------------------------------------------------------- registries
-
-
-def _init_state(scheduler: Any) -> None:
-    scheduler._cfg_pairs = {}
-    scheduler._cfg_req_to_pair = {}
-    scheduler._cfg_reorder_pending = False
 
 
 def _register_cfg_request(scheduler: Any, request: Any) -> None:
     role = pair_ids.cfg_role_of(request)
     if role is None:
         return
-    if "_cfg_pairs" not in vars(scheduler):
-        # Built before the class was patched: it read the class's empty defaults so far.
-        _init_state(scheduler)
     pair_id = pair_ids.pair_id_for(request, role)
     request_id = request.request_id
     if not isinstance(pair_id, Hashable):
@@ -80,8 +64,8 @@ def _register_cfg_request(scheduler: Any, request: Any) -> None:
             pair_id,
         )
         return
-    released = vars(scheduler).get("_cfg_released_pairs")
-    if released is not None and pair_id in released:
+    released = scheduler._cfg_released_pairs
+    if pair_id in released:
         del released[pair_id]  # a release expects at most one late partner
         logger.warning(
             "CFG %s request %s arrived after pair %s was released unguided; it runs as plain traffic",
@@ -111,21 +95,20 @@ def _register_cfg_request(scheduler: Any, request: Any) -> None:
 
 def _forget_requests(scheduler: Any, request_ids: Iterable[str]) -> None:
     """Remove the pairs of ``request_ids`` (every member of each) from the registries."""
-    hold_counts = vars(scheduler).get("_cfg_hold_counts")
+    hold_counts = scheduler._cfg_hold_counts
     for request_id in request_ids:
         pair_id = scheduler._cfg_req_to_pair.pop(request_id, None)
         members = scheduler._cfg_pairs.pop(pair_id, {}).values() if pair_id is not None else ()
         for member_id in (request_id, *members):
             scheduler._cfg_req_to_pair.pop(member_id, None)
-            if hold_counts:
-                hold_counts.pop(member_id, None)
+            hold_counts.pop(member_id, None)
 
 
 def _release_pair(scheduler: Any, pair_id: Hashable) -> None:
     """Drop a pair from the registries; its members continue as plain traffic."""
     roles = scheduler._cfg_pairs.pop(pair_id, {})
     _forget_requests(scheduler, roles.values())
-    released = vars(scheduler).setdefault("_cfg_released_pairs", OrderedDict())
+    released = scheduler._cfg_released_pairs
     released[pair_id] = None
     while len(released) > _RELEASED_PAIR_MEMORY:
         released.popitem(last=False)
@@ -134,9 +117,7 @@ def _release_pair(scheduler: Any, pair_id: Hashable) -> None:
 def _clear_registries(scheduler: Any) -> None:
     scheduler._cfg_pairs.clear()
     scheduler._cfg_req_to_pair.clear()
-    hold_counts = vars(scheduler).get("_cfg_hold_counts")
-    if hold_counts:
-        hold_counts.clear()
+    scheduler._cfg_hold_counts.clear()
 
 
 def _partner_ids(scheduler: Any, request_id: str) -> list[str]:
@@ -192,7 +173,7 @@ def _hold_incomplete_pairs(scheduler: Any, hold_counts: dict[str, int]) -> list[
     A member is held while its partner has not arrived, or while the partner
     waits in a different queue (the scheduler drains those separately, so one
     could be admitted without the other). Each held call counts against
-    `_MAX_PAIR_HOLD_STEPS`; past it the pair is released and the member is
+    ``max_pair_hold_steps``; past it the pair is released and the member is
     scheduled unguided in this very call. Returns ``(queue, request)`` in the
     order they were removed.
     """
@@ -225,11 +206,11 @@ def _hold_incomplete_pairs(scheduler: Any, hold_counts: dict[str, int]) -> list[
                 hold_counts.pop(request_id, None)
                 continue
             count = hold_counts.get(request_id, 0) + 1
-            if count > _MAX_PAIR_HOLD_STEPS:
+            if count > scheduler.max_pair_hold_steps:
                 logger.warning(
                     "partner of %s never arrived after %d schedule steps; releasing the request unguided",
                     request_id,
-                    _MAX_PAIR_HOLD_STEPS,
+                    scheduler.max_pair_hold_steps,
                 )
                 _release_pair(scheduler, pair_id)
                 continue
@@ -261,18 +242,6 @@ def _cap_long_prefill_threshold(scheduler: Any) -> Callable[[], None]:
         config.long_prefill_token_threshold = original
 
     return restore
-
-
-def _gate_waiting_pairs(scheduler: Any) -> Callable[[], None]:
-    """Put the pair-aware KV admission gate in place if a pair member waits; returns the undo."""
-    if not hasattr(scheduler, "kv_cache_manager"):
-        return lambda: None
-    req_to_pair = scheduler._cfg_req_to_pair
-    for queue in _waiting_queues(scheduler):
-        for request in queue:
-            if request.request_id in req_to_pair:
-                return gate_pair_admissions(scheduler, type(request.status))
-    return lambda: None
 
 
 # ---------------------------------------------------------------- after the step
@@ -323,131 +292,97 @@ def _settle_pairs(scheduler: Any, pairs_apart: list[Hashable]) -> None:
             _release_pair(scheduler, pair_id)
 
 
-# ---------------------------------------------------------------- the patch
+
+# ---------------------------------------------------------------- the mixin
 
 
-def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-    for marker in _PATCH_MARKERS:
-        setattr(fn, marker, True)
-    return fn
+class CFGPairingMixin:
+    """Keeps CFG pairs step-locked in the scheduler class it is mixed in front of.
 
-
-def _patch_scheduler(scheduler_cls: type | None = None) -> type:
-    """Install the pairing wrappers on ``scheduler_cls`` (default: vLLM's v1 ``Scheduler``).
-
-    Idempotent: a class (or subclass of a class) already patched is returned
-    unchanged. Run it before the schedulers are built; one built earlier still
-    works (plain path until its first CFG request), but requests it queued
-    before the patch are never paired.
+    Subclasses with vLLM's post-schedule hook set ``equalizes_before_advance``
+    and equalize inside ``_update_after_schedule``; others equalize the finished
+    step here. Subclasses that gate KV admission override
+    `_cfg_open_admission_gate` / `_cfg_close_admission_gate`.
     """
-    if scheduler_cls is None:
-        from cfg_pairing._vllm import vllm_scheduler_class
 
-        scheduler_cls = vllm_scheduler_class()
-    if getattr(scheduler_cls.schedule, "_cfg_pairing_patched", False):
-        return scheduler_cls
+    # Schedule calls a lone member waits for its partner before it runs
+    # unguided. Read at call time: deployments and tests may change it.
+    max_pair_hold_steps: ClassVar[int] = 512
+    equalizes_before_advance: ClassVar[bool] = False
 
-    orig_init = scheduler_cls.__init__
-    orig_add_request = scheduler_cls.add_request
-    orig_finish_requests = scheduler_cls.finish_requests
-    orig_schedule = scheduler_cls.schedule
-    orig_update_after_schedule = getattr(scheduler_cls, "_update_after_schedule", None)
-    orig_update_from_output = getattr(scheduler_cls, "update_from_output", None)
+    # Provided by the scheduler class the mixin goes in front of.
+    waiting: Any
+    running: list[Any]
+    requests: dict[str, Any]
+    max_num_scheduled_tokens: int
 
-    @functools.wraps(orig_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_init(self, *args, **kwargs)
-        _init_state(self)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # -- pair registries (both always name the same requests)
+        self._cfg_pairs: dict[Hashable, dict[str, str]] = {}
+        self._cfg_req_to_pair: dict[str, Hashable] = {}
+        # -- admission
+        self._cfg_hold_counts: dict[str, int] = {}
+        self._cfg_released_pairs: OrderedDict[Hashable, None] = OrderedDict()
+        self._cfg_reorder_pending: bool = False
+        # -- handed from equalization to the split check within one schedule call
+        self._cfg_pairs_apart: list[Hashable] = []
 
-    @functools.wraps(orig_add_request)
-    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        result = orig_add_request(self, request, *args, **kwargs)
+    def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super().add_request(request, *args, **kwargs)  # type: ignore[misc]
         _register_cfg_request(self, request)
         return result
 
-    @functools.wraps(orig_finish_requests)
-    def finish_requests(self: Any, request_ids: Any, finished_status: Any, *args: Any, **kwargs: Any) -> Any:
+    def finish_requests(self, request_ids: Any, finished_status: Any, *args: Any, **kwargs: Any) -> Any:
+        """Finish ``request_ids`` and every live partner of theirs in one call of the base method."""
+        base_finish = super().finish_requests  # type: ignore[misc]
         if not self._cfg_req_to_pair:
-            return orig_finish_requests(self, request_ids, finished_status, *args, **kwargs)
+            return base_finish(request_ids, finished_status, *args, **kwargs)
         if request_ids is None:
-            result = orig_finish_requests(self, None, finished_status, *args, **kwargs)
+            result = base_finish(None, finished_status, *args, **kwargs)
             _clear_registries(self)
             return result
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         for request_id in list(ids):
             ids.update(rid for rid in _partner_ids(self, request_id) if rid in self.requests)
-        result = orig_finish_requests(self, ids, finished_status, *args, **kwargs)
+        result = base_finish(ids, finished_status, *args, **kwargs)
         _forget_requests(self, ids)
         return result
 
-    @functools.wraps(orig_schedule)
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        base_schedule = super().schedule  # type: ignore[misc]
         if not self._cfg_pairs:
-            return orig_schedule(self, *args, **kwargs)
-        hold_counts = vars(self).setdefault("_cfg_hold_counts", {})
+            return base_schedule(*args, **kwargs)
         if self._cfg_reorder_pending:
             # Queue order only breaks pairs apart when a member arrives.
             _reorder_waiting(self)
             self._cfg_reorder_pending = False
-        held = _hold_incomplete_pairs(self, hold_counts)
+        held = _hold_incomplete_pairs(self, self._cfg_hold_counts)
         restore_threshold = _cap_long_prefill_threshold(self)
-        restore_allocation = _gate_waiting_pairs(self)
+        self._cfg_pairs_apart = []
+        self._cfg_open_admission_gate()
         try:
-            output = orig_schedule(self, *args, **kwargs)
+            output = base_schedule(*args, **kwargs)
         finally:
-            restore_allocation()
+            self._cfg_close_admission_gate()
             restore_threshold()
             for queue, request in reversed(held):
                 queue.prepend_request(request)
-        if orig_update_after_schedule is None:
-            pairs_apart = _equalize_cfg_pair_progress(self, output)
+        if self.equalizes_before_advance:
+            pairs_apart, self._cfg_pairs_apart = self._cfg_pairs_apart, []
         else:
-            pairs_apart = vars(self).pop("_cfg_pairs_apart", ())
+            pairs_apart = equalize_cfg_pair_progress(self, output)
         _settle_pairs(self, pairs_apart)
         return output
 
-    patched: dict[str, Any] = {
-        "__init__": __init__,
-        "add_request": add_request,
-        "finish_requests": finish_requests,
-    }
+    # Admission-gate hooks: no gate on a scheduler without a KV manager.
+    def _cfg_open_admission_gate(self) -> None:
+        """Called before the base ``schedule()`` of a call that has pairs."""
 
-    if orig_update_after_schedule is not None:
-        from cfg_pairing._vllm import uncache_uncomputed_blocks  # only vLLM's scheduler has this hook
+    def _cfg_close_admission_gate(self) -> None:
+        """Called after the base ``schedule()`` returned or raised."""
 
-        @functools.wraps(orig_update_after_schedule)
-        def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
-            if self._cfg_pairs:
-                pairs_apart, trimmed = equalize_before_advance(self, scheduler_output)
-                if trimmed:
-                    uncache_uncomputed_blocks(self, trimmed)
-                # Handed to the schedule wrapper, which settles split pairs after the call.
-                self._cfg_pairs_apart = pairs_apart
-            orig_update_after_schedule(self, scheduler_output)
-
-        patched["_update_after_schedule"] = _update_after_schedule
-
-    if orig_update_from_output is not None:
-        from cfg_pairing._vllm import finish_orphaned_partners  # only vLLM's scheduler has this method
-
-        @functools.wraps(orig_update_from_output)
-        def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-            outputs = orig_update_from_output(self, scheduler_output, model_runner_output)
-            if self._cfg_pairs:
-                finish_orphaned_partners(self, outputs)
-            return outputs
-
-        patched["update_from_output"] = update_from_output
-
-    # Read-only empty registries for instances built before the patch: they
-    # take the plain path until their first CFG request creates their own.
-    patched["_cfg_pairs"] = MappingProxyType({})
-    patched["_cfg_req_to_pair"] = MappingProxyType({})
-    patched["_cfg_reorder_pending"] = False
-
-    # Everything is built before the class is touched, and the marker goes on
-    # last: the class is either fully patched or not at all.
-    for name, wrapper in patched.items():
-        setattr(scheduler_cls, name, wrapper)
-    scheduler_cls.schedule = _mark(schedule)
-    return scheduler_cls
+    def _cfg_waiting_members(self) -> bool:
+        """Whether a pair member sits in a wait queue."""
+        req_to_pair = self._cfg_req_to_pair
+        return any(request.request_id in req_to_pair for queue in _waiting_queues(self) for request in queue)
