@@ -77,6 +77,7 @@ for s in "${steps[@]}"; do
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;
     # Issue 15, on nvidia-h200-x2 (one rank per GPU; msgspec carried in .whl/): CFG-parallel, Ulysses, DLO AllGather
     # inside the engine vs one GPU, NCCL bandwidth; the 4.4 GB random model is written outside $OUT.
+    music_acoustic) step music_acoustic 180 python3 benchmarks/music_acoustic.py --out "$R" ;;
     multi_gpu) step multi_gpu 340 python3 benchmarks/multi_gpu.py --out "$R" --model-dir /tmp/multi_gpu_model ;;
     *) echo "unknown step $s" ;;
   esac
