@@ -202,7 +202,7 @@ class _StagedCudaReader:
     """
 
     def __init__(self, device: torch.device, *, workers: int = min(4, os.cpu_count() or 1),
-                 chunk_bytes: int = 32 << 20, buffers_per_worker: int = 2) -> None:
+                 chunk_bytes: int = 8 << 20, buffers_per_worker: int = 2) -> None:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
