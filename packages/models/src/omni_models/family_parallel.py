@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from diffusion_kv import cdiv
+
 from omni_models.family_attention import OmniFluxAttnProcessor
 from omni_models.parallel import ParallelState, check_sequence_parallel
 
@@ -83,7 +85,7 @@ class ParallelFamilyBackend:
 
     def forward(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
         state = self.state
-        per_rank = -(-len(rows) // state.cfg_size)
+        per_rank = cdiv(len(rows), state.cfg_size)
         mine = list(rows[state.cfg_rank * per_rank : (state.cfg_rank + 1) * per_rank])
         if mine:
             local = self._forward_sp(mine, height, width) if state.sp_size > 1 else self.inner.forward(mine, height,

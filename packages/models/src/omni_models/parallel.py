@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from diffusion_kv import cdiv
+
 from omni_models import paged
 from omni_models.model import QKV, CausalPrefixDiT, JointAttention, unpatchify, patchify
 from omni_models.runner import ScheduledJob
@@ -184,7 +186,7 @@ class _Split:
 
     @property
     def local(self) -> int:
-        return -(-self.total // self.sp_size)
+        return cdiv(self.total, self.sp_size)
 
     def slice(self, x: Tensor) -> Tensor:
         """This rank's slice of ``x`` (first dim = tokens), zero-padded past the end."""

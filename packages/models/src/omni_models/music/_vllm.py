@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusion_kv import cdiv
 from torch import Tensor
 
 try:
@@ -352,7 +353,7 @@ class ARStage:
         from cfg_pairing import CFGPairingScheduler
 
         self.config = config
-        blocks = num_blocks or max_num_seqs * -(-config.max_position_embeddings // block_size)
+        blocks = num_blocks or max_num_seqs * cdiv(config.max_position_embeddings, block_size)
         bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # K and V, float32
         args = EngineArgs(
             model=str(backbone_view(model_dir, config)), skip_tokenizer_init=True, dtype="float32",
