@@ -6,23 +6,19 @@ argv: MODE CHECKPOINT OUT_DIR; MODE ``{flux,qwen}-{cfg2,sp2}``. Writes ``rank{R}
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from family_parallel_cases import run_family_jobs  # noqa: E402
+from rank_process import run_rank  # noqa: E402
 
 
 def main() -> None:
     mode, checkpoint, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    try:
+
+    def compute() -> dict[str, Any]:
         import omni_models
         from omni_models.family_parallel import enable_family_parallel
         from omni_models.parallel import init_parallel
@@ -31,15 +27,9 @@ def main() -> None:
                               sequence_parallel_size=2 if "sp2" in mode else 1)
         pipe = omni_models.load(checkpoint, max_sequence_length=16)
         enable_family_parallel(pipe, state)
-        torch.save({"latents": run_family_jobs(pipe, mode.split("-")[0])}, out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        from dlo_offload import destroy_model_parallel
+        return {"latents": run_family_jobs(pipe, mode.split("-")[0])}
 
-        destroy_model_parallel()
-        dist.destroy_process_group()
+    run_rank(out, compute)
 
 
 if __name__ == "__main__":

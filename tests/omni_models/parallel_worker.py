@@ -6,23 +6,21 @@ argv: MODE MODEL_DIR OUT_DIR, MODE one of cfg2, sp2, sp2-allgather, cfg2-unguide
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_cases import CASES, run_jobs  # noqa: E402
+from rank_process import run_rank  # noqa: E402
 
 
 def main() -> None:
     mode, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    try:
+
+    def compute() -> dict[str, Any]:
         from dlo_offload import get_model_parallel_groups, select_dlo_group, enable_layerwise_offload
         from omni_models import load
         from omni_models.integrations import offload_plan
@@ -39,18 +37,11 @@ def main() -> None:
                                                use_allgather=True)
         enable_parallel(pipeline, state)
         latents = run_jobs(pipeline, CASES["unguided" if "unguided" in mode else "mixed"])
-        info = {"latents": latents, "offload_mode": offload.mode if offload else None,
+        return {"latents": latents, "offload_mode": offload.mode if offload else None,
                 "host_nbytes": offload.host_nbytes if offload else None,
                 "kv_heads": pipeline.kv_caches[0].shape[-2]}
-        torch.save(info, out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        from dlo_offload import destroy_model_parallel
 
-        destroy_model_parallel()
-        dist.destroy_process_group()
+    run_rank(out, compute)
 
 
 if __name__ == "__main__":

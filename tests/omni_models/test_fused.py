@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,20 +12,14 @@ import torch.nn.functional as F
 from fp8_cache import FP8_MAX, FP8Activation, FP8Linear
 from omni_models import fused
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+sys.path.insert(0, str(Path(__file__).parent))
+from fused_cases import DEVICE, modulated_tokens  # noqa: E402
+
 EPS = 1e-6
 
 
-def _inputs(tokens=9, width=48, rows=3, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, width, generator=g).to(DEVICE, dtype)
-    modulation = (0.3 * torch.randn(rows, 6 * width, generator=g)).to(DEVICE, dtype)
-    row_ids = torch.randint(rows, (tokens,), generator=g).to(DEVICE)
-    return x, modulation.chunk(6, dim=-1), row_ids
-
-
 def test_reference_equals_the_unfused_torch_sequence_in_float32():
-    x, (shift, scale, gate, shift2, scale2, _), row_ids = _inputs()
+    x, (shift, scale, gate, shift2, scale2, _), row_ids = modulated_tokens()
     unfused = F.layer_norm(x, (x.shape[1],), eps=EPS) * (1 + scale[row_ids]) + shift[row_ids]
     got = fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, backend="torch")
     torch.testing.assert_close(got, unfused, rtol=1e-6, atol=1e-6)
@@ -38,7 +35,7 @@ def test_reference_equals_the_unfused_torch_sequence_in_float32():
 
 def test_each_token_reads_its_own_row():
     """Changing one row's modulation changes exactly the tokens that point at it."""
-    x, (shift, scale, *_), row_ids = _inputs(tokens=12, rows=4)
+    x, (shift, scale, *_), row_ids = modulated_tokens(tokens=12, rows=4)
     row_ids = torch.tensor([0, 1, 2, 3] * 3, device=DEVICE)
     before = fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, backend="torch")
     shift = shift.clone()
@@ -49,7 +46,7 @@ def test_each_token_reads_its_own_row():
 
 
 def test_bad_inputs_raise_and_name_the_problem():
-    x, (shift, scale, *_), row_ids = _inputs()
+    x, (shift, scale, *_), row_ids = modulated_tokens()
     with pytest.raises(ValueError, match="row_ids must be an int32/int64"):
         fused.layer_norm_modulate(x, shift, scale, row_ids.float(), eps=EPS)
     with pytest.raises(ValueError, match="row_ids must lie in"):
@@ -67,7 +64,7 @@ def test_bad_inputs_raise_and_name_the_problem():
 
 
 def test_quantized_output_follows_the_fp8_contract_per_token():
-    x, (shift, scale, *_), row_ids = _inputs(dtype=torch.bfloat16)
+    x, (shift, scale, *_), row_ids = modulated_tokens(dtype=torch.bfloat16)
     act = fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, quantize=True, backend="torch")
     assert isinstance(act, FP8Activation) and act.per_row and act.dtype == torch.bfloat16
     y = fused.layer_norm_modulate(x.float(), shift.float(), scale.float(), row_ids, eps=EPS, backend="torch")
@@ -81,6 +78,6 @@ def test_fp8_linear_consumes_the_quantized_activation_like_its_dequantized_value
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 32).to(DEVICE)
     fp8 = FP8Linear.from_linear(linear)
-    x, (shift, scale, *_), row_ids = _inputs()
+    x, (shift, scale, *_), row_ids = modulated_tokens()
     act = fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, quantize=True, backend="torch")
     torch.testing.assert_close(fp8(act), fp8(act.dequantize()), rtol=1e-5, atol=1e-5)

@@ -7,6 +7,8 @@ Without CUDA the kernels run on CPU tensors under the Triton interpreter; the va
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,18 +21,11 @@ pytest.importorskip("triton")
 
 from omni_models import fused  # noqa: E402
 
-DEVICE = "cuda" if ON_CUDA else "cpu"
+sys.path.insert(0, str(Path(__file__).parent))
+from fused_cases import DEVICE, modulated_tokens  # noqa: E402
+
 EPS = 1e-6
 pytestmark = pytest.mark.triton
-
-
-def _inputs(tokens=9, width=48, rows=3, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, width, generator=g).to(DEVICE, dtype)
-    modulation = (0.3 * torch.randn(rows, 6 * width, generator=g)).to(DEVICE, dtype)
-    row_ids = torch.randint(rows, (tokens,), generator=g).to(DEVICE)
-    return x, modulation.chunk(6, dim=-1), row_ids
-
 
 
 def _kernels_module():
@@ -45,7 +40,7 @@ def _kernels_module():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_kernels_match_the_reference(dtype, tol):
     _kernels_module()
-    x, (shift, scale, gate, shift2, scale2, _), row_ids = _inputs(dtype=dtype, seed=1)
+    x, (shift, scale, gate, shift2, scale2, _), row_ids = modulated_tokens(dtype=dtype, seed=1)
     branch = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     out = {b: fused.layer_norm_modulate(x, shift, scale, row_ids.int(), eps=EPS, backend=b) for b in ("triton", "torch")}
     torch.testing.assert_close(out["triton"].float(), out["torch"].float(), rtol=tol, atol=tol)
@@ -71,7 +66,7 @@ def test_quantizing_kernels_match_the_reference_within_one_fp8_step():
     """
     kernels = _kernels_module()
     dtype = torch.float32 if kernels.INTERPRETED else torch.bfloat16
-    x, (shift, scale, gate, shift2, scale2, _), row_ids = _inputs(dtype=dtype, seed=4)
+    x, (shift, scale, gate, shift2, scale2, _), row_ids = modulated_tokens(dtype=dtype, seed=4)
     branch = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     pairs = [
         [fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, quantize=True, backend=b)
@@ -94,7 +89,7 @@ def test_quantizing_kernels_match_the_reference_within_one_fp8_step():
 
 def test_kernels_handle_empty_batches_and_strided_modulation_rows():
     _kernels_module()
-    x, (shift, scale, *_), row_ids = _inputs(tokens=0)
+    x, (shift, scale, *_), row_ids = modulated_tokens(tokens=0)
     assert fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, backend="triton").shape == (0, 48)
     assert shift.stride(0) == 6 * 48  # column slices of the [R, 6W] projection, read in place
 

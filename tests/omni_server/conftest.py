@@ -98,6 +98,28 @@ class ServerHandle:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_running(self, count: int, timeout_s: float = 30.0) -> None:
+        """Block until /metrics shows at least ``count`` running requests; fail the test after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while metric(self.metrics(), "omni:num_requests_running") < count:
+            assert time.monotonic() < deadline, "requests never started running"
+            time.sleep(0.05)
+
+    def kill_and_watch_health(self, pid: int, window_s: float = 1.0) -> tuple[int, float, float]:
+        """SIGKILL ``pid``, then poll /health until it answers non-200 or ``window_s`` has passed.
+
+        Returns (the last /health status, the monotonic time of the kill, seconds from the kill to that status).
+        """
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        status = 200
+        while time.monotonic() - killed < window_s:
+            status = httpx.get(f"{self.url}/health", timeout=1).status_code
+            if status != 200:
+                break
+            time.sleep(0.02)
+        return status, killed, time.monotonic() - killed
+
     def stop(self) -> None:
         """SIGTERM, bounded wait, SIGKILL; then assert the whole tree is gone."""
         tree = [self.process.pid, *child_pids(self.process.pid)]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 if TYPE_CHECKING:
     from omni_models.families import FamilyInfo, FamilyJob, FamilyPipeline, FamilyRequest, PromptConditioning

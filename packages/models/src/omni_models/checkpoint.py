@@ -85,6 +85,21 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_weights_into(model: torch.nn.Module, directory: Path, *, name: str) -> None:
+    """Adopt the weights of ``directory`` into ``model`` (built on the meta device or not), by assignment.
+
+    The key sets must match exactly; otherwise a ValueError names the first missing and unexpected keys
+    and ``model`` is left untouched. ``name`` (the model's config name) is only used in that message.
+    """
+    state = load_weights(directory)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"weights in {directory} do not match {name}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.load_state_dict(state, assign=True)
+
+
 def save_config(config: DiTConfig, vocabulary: tuple[str, ...], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=1))

@@ -7,6 +7,17 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def check_known_fields(cls: type, data: dict[str, Any]) -> None:
+    """Raise ValueError naming every key of ``data`` that is not a field of the dataclass ``cls``, and the known ones.
+
+    For the ``from_dict`` of config dataclasses: a typo in a config.json fails loudly instead of being dropped.
+    """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; known: {sorted(fields)}")
+
+
 @dataclass(frozen=True)
 class DiTConfig:
     """Shape of a causal-prefix DiT.
@@ -53,10 +64,7 @@ class DiTConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DiTConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"unknown DiTConfig fields {unknown}; known: {sorted(fields)}")
+        check_known_fields(cls, data)
         data = dict(data)
         if "supported_sizes" in data:
             data["supported_sizes"] = tuple(tuple(size) for size in data["supported_sizes"])

@@ -50,7 +50,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from omni_models.errors import InvalidRequestError
-from omni_models.limits import check_prompt, check_scale, check_seed, check_steps
+from omni_models.limits import check_prompt, check_prompt_batch, check_scale, check_seed, check_steps
 
 if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
@@ -388,16 +388,7 @@ class FamilyPipeline:
         ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, S, C]})`` observes every step.
         Every prompt is validated before the model runs.
         """
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if not prompts:
-            raise InvalidRequestError("prompt list is empty", param="prompt")
-        if negative_prompt is None or isinstance(negative_prompt, str):
-            negatives = [negative_prompt] * len(prompts)
-        else:
-            negatives = list(negative_prompt)
-            if len(negatives) != len(prompts):
-                raise InvalidRequestError(f"got {len(negatives)} negative prompts for {len(prompts)} prompts",
-                                          param="negative_prompt")
+        prompts, negatives = check_prompt_batch(prompt, negative_prompt)
         check_num_images(num_images_per_prompt)
         total = len(prompts) * num_images_per_prompt
         seed = random.SystemRandom().randrange(2**31) if seed is None else check_seed(seed, reserve=total - 1)

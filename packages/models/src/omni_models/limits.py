@@ -6,6 +6,7 @@ Each validator returns the checked value or raises ``InvalidRequestError`` whose
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from omni_models.errors import InvalidRequestError
@@ -45,3 +46,23 @@ def check_seed(value: Any, *, reserve: int = 0) -> int:
         bound = "2**63 - 1" if reserve == 0 else f"2**63 - 1 - {reserve}"
         raise InvalidRequestError(f"seed must be an integer in [0, {bound}], got {value!r}", param="seed")
     return value
+
+
+def check_prompt_batch(
+    prompt: str | Sequence[str], negative_prompt: str | Sequence[str | None] | None
+) -> tuple[list[str], list[str | None]]:
+    """The prompts of a one-call batch and one negative prompt per prompt (a single one is repeated).
+
+    Raises InvalidRequestError for an empty prompt list (``param="prompt"``) or a negative-prompt list of
+    another length (``param="negative_prompt"``). The prompts' contents are checked later, per request.
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts:
+        raise InvalidRequestError("prompt list is empty", param="prompt")
+    if negative_prompt is None or isinstance(negative_prompt, str):
+        return prompts, [negative_prompt] * len(prompts)
+    negatives = list(negative_prompt)
+    if len(negatives) != len(prompts):
+        raise InvalidRequestError(f"got {len(negatives)} negative prompts for {len(prompts)} prompts",
+                                  param="negative_prompt")
+    return prompts, negatives

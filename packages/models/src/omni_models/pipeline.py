@@ -32,7 +32,7 @@ from diffusion_kv import (
 from PIL import Image
 
 from omni_models import paged, parallel, shapes_grammar
-from omni_models.checkpoint import load_config, load_weights
+from omni_models.checkpoint import load_config, load_weights_into
 from omni_models.config import DiTConfig
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
@@ -40,7 +40,7 @@ from omni_models.graphs import StepGraphs
 from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
 from omni_models.images import to_uint8_images
 from omni_models.integrations import declare_kv_cache
-from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED
+from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED, check_prompt_batch
 from omni_models.model import CausalPrefixDiT
 from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob, StepBatch
 from omni_models.sampling import generate_dense
@@ -323,17 +323,7 @@ class Pipeline:
         ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, C, H, W]})`` is called after
         every step, for observation. Every prompt is validated before any work starts.
         """
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if not prompts:
-            raise InvalidRequestError("prompt list is empty", param="prompt")
-        if negative_prompt is None or isinstance(negative_prompt, str):
-            negatives = [negative_prompt] * len(prompts)
-        else:
-            negatives = list(negative_prompt)
-            if len(negatives) != len(prompts):
-                raise InvalidRequestError(
-                    f"got {len(negatives)} negative prompts for {len(prompts)} prompts", param="negative_prompt"
-                )
+        prompts, negatives = check_prompt_batch(prompt, negative_prompt)
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
         elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED - len(prompts):
@@ -428,13 +418,7 @@ def load(
     # Build on the meta device and adopt the loaded tensors: no random init of weights about to be replaced.
     with torch.device("meta"):
         model = build_model(config)
-    state = load_weights(directory)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"weights in {directory} do not match {config.name}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    model.load_state_dict(state, assign=True)
+    load_weights_into(model, directory, name=config.name)
     model.to(device=device, dtype=dtype)
     return Pipeline(model, Tokenizer(vocabulary, max_tokens=config.max_prompt_tokens), device=device, dtype=dtype,
                     attention_backend=attention_backend or "paged", cuda_graphs=cuda_graphs)

@@ -125,6 +125,23 @@ def fault_injection_hook() -> Callable[[GenerationParams], None]:
     return check
 
 
+def run_warmup_request(step: Callable[[], list[EngineOutput]], *, timeout_s: float = 600.0) -> None:
+    """Drive ``step`` until the already-added warm-up request finishes.
+
+    Raises RuntimeError when it has not finished within ``timeout_s`` seconds or finished with an error.
+    Meant for an engine's own warm-up, while no other request has been added.
+    """
+    deadline = time.monotonic() + timeout_s
+    outputs: list[EngineOutput] = []
+    while not any(isinstance(o, RequestFinished) for o in outputs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-up request did not finish within {timeout_s:g} s")
+        outputs += step()
+    finished = next(o for o in outputs if isinstance(o, RequestFinished))
+    if finished.error is not None:
+        raise RuntimeError(f"warm-up request failed: {finished.error.message}")
+
+
 class Timer:
     """Monotonic timestamps of one request: arrival, first scheduled."""
 

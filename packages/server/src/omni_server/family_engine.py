@@ -39,14 +39,20 @@ from typing import Any
 
 from omni_server.config import ServerConfig
 from omni_server.schemas import MAX_IMAGES_PER_REQUEST
-from omni_server.engine import EngineOutput, Timer, encode_png, fault_injection_hook, request_error
+from omni_server.engine import (
+    EngineOutput,
+    Timer,
+    encode_png,
+    fault_injection_hook,
+    request_error,
+    run_warmup_request,
+)
 from omni_server.protocol import (
     EngineReady,
     EngineStats,
     GenerationParams,
     ModelCard,
     RequestError,
-    RequestFinished,
     SizeRange,
     StepProgress,
 )
@@ -138,15 +144,7 @@ class FamilyEngine:
         """One real two-step request at the smallest size through every path (encode, step, decode)."""
         side = self._card.size_range.min_side if self._card.size_range else self._card.default_size[0]
         self.add("warmup", GenerationParams(prompt="warm up", num_inference_steps=2, height=side, width=side, seed=0))
-        deadline = time.monotonic() + 600
-        outputs: list[EngineOutput] = []
-        while not any(isinstance(o, RequestFinished) for o in outputs):
-            if time.monotonic() > deadline:
-                raise RuntimeError("warm-up request did not finish within 600 s")
-            outputs += self.step()
-        finished = next(o for o in outputs if isinstance(o, RequestFinished))
-        if finished.error is not None:
-            raise RuntimeError(f"warm-up request failed: {finished.error.message}")
+        run_warmup_request(self.step)
         self._step_latencies.clear()
 
     def ready_message(self) -> EngineReady:

@@ -94,7 +94,7 @@ def _load_omni_model(directory: Path, config: ServerConfig, *, device: Any, dtyp
     import torch
 
     from omni_models import Pipeline
-    from omni_models.checkpoint import load_config, load_weights, weight_files
+    from omni_models.checkpoint import load_config, load_weights_into, weight_files
     from omni_models.integrations import FP8_IGNORE, offload_plan, quantize_fp8
     from omni_models.pipeline import build_model
     from omni_models.tokenizer import Tokenizer
@@ -115,13 +115,7 @@ def _load_omni_model(directory: Path, config: ServerConfig, *, device: Any, dtyp
         logger.info("FP8 cache %s: %s (%d FP8 linears)", config.fp8_cache_dir,
                     "hit" if result.hit else f"miss ({result.reason})", len(report.quantized))
     else:
-        state = load_weights(directory)
-        expected = set(model.state_dict())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ValueError(f"weights in {directory} do not match {model_config.name}: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        model.load_state_dict(state, assign=True)
+        load_weights_into(model, directory, name=model_config.name)
         model.to(device=weights_device, dtype=dtype)
         if config.quantization == "fp8":
             report = quantize_fp8(model)

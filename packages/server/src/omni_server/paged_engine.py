@@ -44,6 +44,7 @@ from omni_server.engine import (
     fault_injection_hook,
     model_card,
     request_error,
+    run_warmup_request,
 )
 from omni_server.protocol import (
     EngineOutput,
@@ -217,15 +218,7 @@ class PagedEngine:
         height, width = self._card.default_size
         self.add("warmup", GenerationParams(prompt=self._any_word(), num_inference_steps=1, height=height, width=width,
                                             seed=0))
-        deadline = time.monotonic() + 600
-        outputs: list[EngineOutput] = []
-        while not any(isinstance(o, RequestFinished) for o in outputs):
-            if time.monotonic() > deadline:
-                raise RuntimeError("warm-up request did not finish within 600 s")
-            outputs += self.step()
-        finished = next(o for o in outputs if isinstance(o, RequestFinished))
-        if finished.error is not None:
-            raise RuntimeError(f"warm-up request failed: {finished.error.message}")
+        run_warmup_request(self.step)
         self._step_latencies.clear()
 
     def ready_message(self) -> EngineReady:

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from omni_models.config import check_known_fields
+
 # Special tokens of the backbone vocabulary (ids 0..len-1), in this order.
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<|audio_cfg|>", "<|audio_start|>", "<|audio_end|>",
@@ -103,10 +105,7 @@ class MusicConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MusicConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"unknown MusicConfig fields {unknown}; known: {sorted(fields)}")
+        check_known_fields(cls, data)
         data = dict(data)
         data["words"] = tuple(data["words"])
         return cls(**data)

@@ -17,12 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from omni_models.model import CausalPrefixDiT
-from omni_models.music.acoustic import acoustic_config, generate_latents
+from omni_models.music.acoustic import acoustic_config
 from omni_models.music.backbone import MusicBackbone
 from omni_models.music.config import MusicConfig
-from omni_models.music.decoder import decode
 from omni_models.training.music_scorer import MusicScorer, adherence
-from omni_models.training.train_music import generate_codes, make_dataset
+from omni_models.training.train_music import held_out_adherence, make_dataset
 
 
 def evaluate(model_dir: Path, scales: list[float], songs: int, seed: int = 0) -> dict:
@@ -37,25 +36,7 @@ def evaluate(model_dir: Path, scales: list[float], songs: int, seed: int = 0) ->
     scorer = MusicScorer.calibrated(config.sample_rate, config.frame_rate)
     results = {}
     for scale in scales:
-        codes = generate_codes(model, config, [h["ids"] for h in held], list(range(len(held))), config.max_frames,
-                               scale, device)
-        got = total = 0
-        per: dict[str, list[int]] = {}
-        for h, c in zip(held, codes):
-            wanted = h["spec"].attributes()
-            if c.shape[0] == 0:
-                total += len(wanted)
-                continue
-            latents = generate_latents(dit, config, torch.from_numpy(c), seed=0, device=device)
-            read = scorer.read(decode(latents.numpy(), sample_rate=config.sample_rate, frame_rate=config.frame_rate))
-            g, n = adherence(read, wanted)
-            got, total = got + g, total + n
-            for k in wanted:
-                per.setdefault(k, [0, 0])
-                per[k][0] += read[k] == wanted[k]
-                per[k][1] += 1
-        results[str(scale)] = {"adherence": got / total, "per_attribute": per,
-                               "mean_frames": float(np.mean([c.shape[0] for c in codes]))}
+        results[str(scale)] = held_out_adherence(model, dit, config, held, scale, scorer, device)
         print(scale, results[str(scale)], flush=True)
     return results
 
