@@ -50,34 +50,27 @@ for s in "${steps[@]}"; do
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;
     prefix_reuse) step prefix_reuse 150 python3 benchmarks/prefix_reuse.py --out "$R" ;;
     # The GPU image lacks the server's web stack: carry cp312 wheels in .whl/ (benchmarks/README.md says how).
-    server_overhead) install_carried_wheels
-                     PYTHONPATH=/tmp/site:$PYTHONPATH step server_overhead 240 python3 benchmarks/server_overhead.py --out "$R" ;;
-    composed) install_carried_wheels
-              PYTHONPATH=/tmp/site:$PYTHONPATH step composed 200 python3 benchmarks/composed_pipeline.py --out "$R" ;;
+    server_overhead) step server_overhead 240 python3 benchmarks/server_overhead.py --out "$R" ;;
+    composed) step composed 200 python3 benchmarks/composed_pipeline.py --out "$R" ;;
     # The real families need diffusers (and requests), carried in .whl/ too; one family per device call.
-    real_flux) install_carried_wheels
-               PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
+    real_flux) step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
     # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
-    real_engine) install_carried_wheels
-               PYTHONPATH=/tmp/site:$PYTHONPATH step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
-    real_qwen) install_carried_wheels
-               PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
+    real_engine) step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
+    real_qwen) step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
     # Shorter re-measurements of omni's own phases (no diffusers run for FLUX; Qwen keeps diffusers eager and
     # compiled as the baseline for the ragged-attention change), FP8 online so no 24-41 GB checkpoint is written.
-    real_flux_omni) install_carried_wheels
-                    PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux_omni 420 python3 benchmarks/real_models.py --family flux \
+    real_flux_omni) step real_flux_omni 420 python3 benchmarks/real_models.py --family flux \
                       --baseline none --fp8-source online --phases compiled fp8 fp8_compiled offload offload_batched --out "$R" ;;
-    real_flux_fp8) install_carried_wheels
-                   PYTHONPATH=/tmp/site:$PYTHONPATH step real_flux_fp8 300 python3 benchmarks/real_models.py --family flux \
+    real_flux_fp8) step real_flux_fp8 300 python3 benchmarks/real_models.py --family flux \
                      --baseline none --fp8-source online --fp8-compiled-scaling row tensor --phases compiled fp8 fp8_compiled --out "$R" ;;
-    real_qwen_cfg) install_carried_wheels
-                   PYTHONPATH=/tmp/site:$PYTHONPATH step real_qwen_cfg 420 python3 benchmarks/real_models.py --family qwen-image \
+    real_qwen_cfg) step real_qwen_cfg 420 python3 benchmarks/real_models.py --family qwen-image \
                      --fp8-source online --fp8-compiled-scaling row --phases compiled fp8 fp8_compiled --out "$R" ;;
     tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;
+    # The music family's acoustic stage (paged code K/V vs recompute, FP8), no vLLM needed.
+    music_acoustic) step music_acoustic 180 python3 benchmarks/music_acoustic.py --out "$R" ;;
     # Issue 15, on nvidia-h200-x2 (one rank per GPU; msgspec carried in .whl/): CFG-parallel, Ulysses, DLO AllGather
     # inside the engine vs one GPU, NCCL bandwidth; the 4.4 GB random model is written outside $OUT.
-    music_acoustic) step music_acoustic 180 python3 benchmarks/music_acoustic.py --out "$R" ;;
     multi_gpu) step multi_gpu 340 python3 benchmarks/multi_gpu.py --out "$R" --model-dir /tmp/multi_gpu_model ;;
     *) echo "unknown step $s" ;;
   esac

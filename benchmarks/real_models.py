@@ -243,7 +243,7 @@ class Bench:
                             true_cfg_scale=r["true_cfg_scale"], seed=self.seed + index, height=r["size"],
                             width=r["size"])
 
-    def _serve(self, pipe: Any, batches: list[list]) -> list[float]:
+    def _serve(self, pipe: Any, batches: list[list]) -> float:
         """Run the jobs of ``batches`` together (one forward per step for all); returns the completion time."""
         jobs = [job for batch in batches for job in batch]
         pipe.encode_prompts(jobs)
@@ -251,7 +251,7 @@ class Bench:
             pipe.run_denoise_step([job for job in jobs if not job.finished])
         pipe.decode(jobs)
         synchronize(self.device)
-        return [time.perf_counter()] * len(batches)
+        return time.perf_counter()
 
     def _serve_together_s(self, pipe: Any, count: int, steps: int) -> float:
         """Seconds for ``count`` requests of ``steps`` steps denoised together (after one warm-up at that shape)."""
@@ -260,27 +260,33 @@ class Bench:
         self._serve(pipe, [self._prepare(pipe, i, steps) for i in range(count)])
         return time.perf_counter() - start
 
+    def _record_throughput(self, phase: str, steps: int, sequential: list[float], concurrent: list[float],
+                           **extra: Any) -> None:
+        """Store and log one phase of 4 requests: each request's finish time (s since its run's start), served one
+        after another and all at once; throughput is the ratio of the two runs' last finishes."""
+        ratio = max(sequential) / max(concurrent)
+
+        def latency(values: list[float]) -> dict[str, float]:
+            return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+        self.results["phases"][phase] = {
+            "steps": steps, "requests": len(sequential), **extra,
+            "sequential_total_s": max(sequential), "concurrent_total_s": max(concurrent), "throughput_ratio": ratio,
+            "sequential_latency_s": latency(sequential), "concurrent_latency_s": latency(concurrent),
+        }
+        self.log(f"{phase}: {len(sequential)} requests x {steps} steps: {max(sequential):.2f} s one after another, "
+                 f"{max(concurrent):.2f} s together -> {ratio:.2f}x throughput; latency p50/p99 "
+                 f"{np.percentile(sequential, 50):.2f}/{np.percentile(sequential, 99):.2f} s vs "
+                 f"{np.percentile(concurrent, 50):.2f}/{np.percentile(concurrent, 99):.2f} s")
+
     def concurrency(self, pipe: Any) -> None:
         steps = self.args.concurrency_steps or self.request["steps"]
-        prepare = lambda index: self._prepare(pipe, index, steps)  # noqa: E731
-        serve = lambda batches: self._serve(pipe, batches)  # noqa: E731
-
-        serve([prepare(0)])  # warm-up at this batch shape's sizes
-        synchronize(self.device)
+        self._serve(pipe, [self._prepare(pipe, 0, steps)])  # warm-up at this batch shape's sizes
         t0 = time.perf_counter()
-        sequential = [serve([prepare(i)])[0] - t0 for i in range(4)]
-        synchronize(self.device)
+        sequential = [self._serve(pipe, [self._prepare(pipe, i, steps)]) - t0 for i in range(4)]
         t1 = time.perf_counter()
-        concurrent = [t - t1 for t in serve([prepare(i) for i in range(4)])]
-        ratio = sequential[-1] / concurrent[-1]
-        self.results["phases"]["concurrency"] = {
-            "steps": steps, "requests": 4,
-            "sequential_total_s": sequential[-1], "concurrent_total_s": concurrent[-1], "throughput_ratio": ratio,
-            "sequential_latency_s": {"p50": float(np.percentile(sequential, 50)), "p99": float(np.percentile(sequential, 99))},
-            "concurrent_latency_s": {"p50": float(np.percentile(concurrent, 50)), "p99": float(np.percentile(concurrent, 99))},
-        }
-        self.log(f"concurrency: 4 requests x {steps} steps: {sequential[-1]:.2f} s one after another, "
-                 f"{concurrent[-1]:.2f} s together -> {ratio:.2f}x throughput")
+        finished = self._serve(pipe, [self._prepare(pipe, i, steps) for i in range(4)]) - t1
+        self._record_throughput("concurrency", steps, sequential, [finished] * 4)
 
     def engine(self, pipe: Any) -> None:
         """4 requests through omni-server's family engine: one after another, then all at once."""
@@ -319,19 +325,8 @@ class Bench:
         sequential = [serve([i], t0)[0] for i in range(4)]
         synchronize(self.device)
         concurrent = serve(list(range(4)), time.perf_counter())
-        ratio = max(sequential) / max(concurrent)
-        self.results["phases"]["engine"] = {
-            "steps": steps, "requests": 4, "engine": "omni_server.family_engine.FamilyEngine (in process)",
-            "sequential_total_s": max(sequential), "concurrent_total_s": max(concurrent), "throughput_ratio": ratio,
-            "sequential_latency_s": {"p50": float(np.percentile(sequential, 50)),
-                                     "p99": float(np.percentile(sequential, 99))},
-            "concurrent_latency_s": {"p50": float(np.percentile(concurrent, 50)),
-                                     "p99": float(np.percentile(concurrent, 99))},
-        }
-        self.log(f"engine: 4 requests x {steps} steps: {max(sequential):.2f} s one after another, "
-                 f"{max(concurrent):.2f} s together -> {ratio:.2f}x throughput; latency p50/p99 "
-                 f"{np.percentile(sequential, 50):.2f}/{np.percentile(sequential, 99):.2f} s vs "
-                 f"{np.percentile(concurrent, 50):.2f}/{np.percentile(concurrent, 99):.2f} s")
+        self._record_throughput("engine", steps, sequential, concurrent,
+                                engine="omni_server.family_engine.FamilyEngine (in process)")
         engine.close()
 
     def offload(self, components: dict[str, Any], build: Callable[..., Any], resident_pixels: np.ndarray) -> None:

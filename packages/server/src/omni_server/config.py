@@ -249,18 +249,13 @@ def build_config(file_values: Mapping[str, Any] | None = None, **overrides: Any)
                 + ", ".join(FIELD_NAMES)
             )
         merged.update(values)
-    for name in _HUMAN_INT_FIELDS & merged.keys():
-        if merged[name] is not None:
-            try:
-                merged[name] = parse_human_int(merged[name])
-            except ConfigError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
-    for name in _LIST_FIELDS & merged.keys():
-        if merged[name] is not None:
-            try:
-                merged[name] = parse_list(merged[name])
-            except ConfigError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
+    for fields, parse in ((_HUMAN_INT_FIELDS, parse_human_int), (_LIST_FIELDS, parse_list)):
+        for name in fields & merged.keys():
+            if merged[name] is not None:
+                try:
+                    merged[name] = parse(merged[name])
+                except ConfigError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
     try:
         return msgspec.convert(merged, ServerConfig)
     except msgspec.ValidationError as exc:

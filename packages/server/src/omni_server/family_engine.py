@@ -48,6 +48,7 @@ from omni_server.engine import (
     run_warmup_request,
 )
 from omni_server.protocol import (
+    SEED_DRAW_RANGE,
     EngineReady,
     EngineStats,
     GenerationParams,
@@ -59,7 +60,6 @@ from omni_server.protocol import (
 
 logger = logging.getLogger("omni_server.engine")
 
-_SEED_RANGE = 2**31 - 1
 FAMILY_REQUEST_FIELDS = ["prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale",
                          "true_cfg_scale", "n", "seed"]
 
@@ -156,7 +156,7 @@ class FamilyEngine:
         timer = Timer()
         try:
             self._check_n(params.n)
-            seed = params.seed if params.seed is not None else self._seeds.randrange(_SEED_RANGE)
+            seed = params.seed if params.seed is not None else self._seeds.randrange(SEED_DRAW_RANGE)
             jobs = self._pipeline.prepare(**family_request_kwargs(self._pipeline.info, params), seed=seed,
                                           num_images=params.n, request_id=request_id)
         except Exception as exc:  # a bad request fails alone, before it runs anything

@@ -47,6 +47,7 @@ from omni_server.engine import (
     run_warmup_request,
 )
 from omni_server.protocol import (
+    SEED_DRAW_RANGE,
     EngineOutput,
     EngineReady,
     EngineStats,
@@ -60,7 +61,6 @@ from omni_server.schemas import MAX_IMAGES_PER_REQUEST
 
 logger = logging.getLogger("omni_server.engine")
 
-_SEED_RANGE = 2**31 - 1
 
 
 @dataclass(eq=False)
@@ -254,7 +254,7 @@ class PagedEngine:
 
             raise InvalidRequestError(f"true_cfg_scale applies to the real families (FLUX.1, Qwen-Image); "
                                       f"{self._card.name} takes guidance_scale", param="true_cfg_scale")
-        base_seed = params.seed if params.seed is not None else self._seeds.randrange(_SEED_RANGE)
+        base_seed = params.seed if params.seed is not None else self._seeds.randrange(SEED_DRAW_RANGE)
         return [
             self._pipeline.prepare(
                 params.prompt, negative_prompt=params.negative_prompt,

@@ -157,6 +157,9 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
 
 HEARTBEAT_INTERVAL_S = 0.1
 
+# A request that names no seed gets one drawn from [0, SEED_DRAW_RANGE) (by the engine, or by rank 0 for workers).
+SEED_DRAW_RANGE = 2**31 - 1
+
 # What an engine iteration returns (``Engine.step``); everything else the process sends is lifecycle.
 EngineOutput = RequestFinished | EngineStats
 EngineMessage = EngineReady | EngineStartupFailed | RequestFinished | EngineStats | Heartbeat

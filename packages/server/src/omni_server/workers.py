@@ -41,6 +41,7 @@ import msgspec
 from diffusion_kv import WorkerRowTable
 
 from omni_server.config import ConfigError, ServerConfig
+from omni_server.protocol import SEED_DRAW_RANGE
 
 logger = logging.getLogger("omni_server.workers")
 
@@ -49,7 +50,6 @@ _STORE_TIMEOUT = timedelta(seconds=300)
 # The control group waits for the next call for as long as the server idles.
 _CONTROL_TIMEOUT = timedelta(days=3650)
 _STOP_TIMEOUT_S = 10.0
-_SEED_RANGE = 2**31 - 1
 
 
 # -- start-up checks ---------------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ class DistributedPipeline:
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         if arguments.get("seed") is None:
-            arguments["seed"] = random.SystemRandom().randrange(_SEED_RANGE)
+            arguments["seed"] = random.SystemRandom().randrange(SEED_DRAW_RANGE)
         job = self._local.prepare(**arguments)
         self._jobs[job] = _JobRecord(next(self._keys), arguments)
         return job
@@ -230,7 +230,7 @@ class DistributedPipeline:
         from omni_models import InvalidRequestError
 
         if kwargs.get("seed") is None:
-            kwargs["seed"] = random.SystemRandom().randrange(_SEED_RANGE)
+            kwargs["seed"] = random.SystemRandom().randrange(SEED_DRAW_RANGE)
         self._group.broadcast(("call", prompt, args, kwargs))
         try:
             return self._local(prompt, *args, callback_on_step_end=callback_on_step_end, **kwargs)
