@@ -16,8 +16,8 @@ import io
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from omni_server.config import ConfigError, ServerConfig
 from omni_server.schemas import MAX_IMAGES_PER_REQUEST
@@ -30,6 +30,7 @@ from omni_server.protocol import (
     RequestFinished,
 )
 
+R = TypeVar("R")
 logger = logging.getLogger("omni_server.engine")
 
 
@@ -140,6 +141,29 @@ def run_warmup_request(step: Callable[[], list[EngineOutput]], *, timeout_s: flo
     finished = next(o for o in outputs if isinstance(o, RequestFinished))
     if finished.error is not None:
         raise RuntimeError(f"warm-up request failed: {finished.error.message}")
+
+
+def forward_isolating_failures(requests: Sequence[R], forward: Callable[[Sequence[R]], None],
+                               fail: Callable[[R, Exception], None]) -> None:
+    """``forward(requests)`` as one batch; if it raises, each request again on its own, so only the culprit
+    ``fail``s and the engine lives on.
+
+    Retrying is safe even when the batch raised after stepping: a job's latents and step index advance together,
+    so a job the batch already advanced just takes its next step.
+    """
+    try:
+        forward(requests)
+        return
+    except Exception as exc:
+        if len(requests) == 1:
+            fail(requests[0], exc)
+            return
+        logger.warning("batched forward for %d requests failed (%s); running them one at a time", len(requests), exc)
+    for request in requests:
+        try:
+            forward([request])
+        except Exception as exc:
+            fail(request, exc)
 
 
 class Timer:

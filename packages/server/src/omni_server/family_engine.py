@@ -44,6 +44,7 @@ from omni_server.engine import (
     Timer,
     encode_png,
     fault_injection_hook,
+    forward_isolating_failures,
     request_error,
     run_warmup_request,
 )
@@ -209,21 +210,9 @@ class FamilyEngine:
         return outputs
 
     def _execute(self, running: Sequence[_Request]) -> None:
-        """One denoising step for every running request, batched; a failing batch is retried one request at a
-        time so only the culprit fails (a job's latents and step index advance together, so a retry is safe)."""
-        try:
-            self._forward(running)
-            return
-        except Exception as exc:
-            if len(running) == 1:
-                self._fail(running[0], exc)
-                return
-            logger.warning("batched step for %d requests failed (%s); running them one at a time", len(running), exc)
-        for request in running:
-            try:
-                self._forward([request])
-            except Exception as exc:
-                self._fail(request, exc)
+        """One denoising step for every running request, batched; a failing batch is run again one request at a
+        time so only the culprit fails (``forward_isolating_failures``)."""
+        forward_isolating_failures(running, self._forward, self._fail)
 
     def _forward(self, requests: Sequence[_Request]) -> None:
         for request in requests:

@@ -42,6 +42,7 @@ from omni_server.engine import (
     Timer,
     encode_png,
     fault_injection_hook,
+    forward_isolating_failures,
     model_card,
     request_error,
     run_warmup_request,
@@ -324,26 +325,9 @@ class PagedEngine:
         ]
 
     def _execute(self, running: Sequence[_PublicRequest]) -> None:
-        """Prefix for newly admitted jobs, then one denoise step for every running job, batched.
-
-        A batch that raises is run again one request at a time, so only the request that fails is failed and
-        the engine lives on. Retrying is safe even when the batch raised after stepping: a job's latents and
-        step index advance together, so a job the batch already advanced just takes its next step.
-        """
-        try:
-            self._forward(running)
-            return
-        except Exception as exc:
-            if len(running) == 1:
-                self._fail_forward(running[0], exc)
-                return
-            logger.warning("batched forward for %d requests failed (%s); running them one at a time",
-                           len(running), exc)
-        for request in running:
-            try:
-                self._forward([request])
-            except Exception as exc:
-                self._fail_forward(request, exc)
+        """Prefix for newly admitted jobs, then one denoise step for every running job, batched (a failing batch
+        is run again one request at a time: ``forward_isolating_failures``)."""
+        forward_isolating_failures(running, self._forward, self._fail_forward)
 
     def _fail_forward(self, request: _PublicRequest, exc: Exception) -> None:
         logger.error("forward failed for request %s", request.request_id, exc_info=exc)
