@@ -39,12 +39,15 @@ for s in "${steps[@]}"; do
     env) step env 30 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"' ;;
     tests_kv) step tests_kv 120 python3 -m pytest tests/diffusion_kv -q -x -p no:cacheprovider ;;
     tests_other) step tests_other 80 python3 -m pytest tests/fp8_cache tests/dlo_offload -q -p no:cacheprovider ;;
-    paged_attention) step paged_attention 150 python3 benchmarks/paged_attention.py --out "$R" ;;
+    paged_attention) step paged_attention 300 python3 benchmarks/paged_attention.py --out "$R" ;;
     fp8_cache) step fp8_cache 120 python3 benchmarks/fp8_cache.py --out "$R" ;;
     fp8_gemm) step fp8_gemm 60 python3 benchmarks/fp8_cache.py --gemm-only --out "$R" ;;
     modulation) step modulation 60 python3 benchmarks/modulation.py --out "$R" ;;
     dit_step) step dit_step 180 python3 benchmarks/dit_step.py --out "$R" ;;
+    # The DiT step twice more, for the spread of the same-run eager-vs-graphs ratio (JSON and logs per run).
+    dit_step_repeats) for n in 2 3; do step "dit_step_run$n" 180 python3 benchmarks/dit_step.py --out "$R/dit_step_run$n"; done ;;
     tests_hopper) step tests_hopper 150 python3 -m pytest -q -p no:cacheprovider tests/diffusion_kv/test_ops_flash.py tests/diffusion_kv/test_ops_sdpa_gather.py \
+                    tests/diffusion_kv/test_ops_cudnn_paged.py \
                     tests/omni_models/test_fused_triton.py \
                     tests/omni_models/test_paged_pipeline.py::test_cuda_graph_steps_equal_eager_steps ;;
     dlo_offload) step dlo_offload 90 python3 benchmarks/dlo_offload.py --out "$R" ;;

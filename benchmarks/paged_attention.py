@@ -18,8 +18,13 @@ Paged kernels, all through the same block tables:
 - FP8 (`fp8_attention`, e4m3 Q/K/V, per-head scales) at S >= 8k against the best bf16 flash time, with its
   error against the bf16 kernel's output (relative L2 and max abs);
 - `sdpa_gather`: the op's gather + SDPA path (each row's pages copied into contiguous K/V, then torch's default
-  SDPA dispatch, cuDNN on the H200), the path `backend="auto"` takes on CUDA for rows of >= 512 queries; its
-  time includes the gather.
+  SDPA dispatch, cuDNN on the H200), the path `backend="auto"` takes on CUDA for rows of >= 512 queries and
+  more than 4096 keys; its time includes the gather;
+- `cudnn_paged`: cuDNN's own paged SDPA reading the pages in place (`backend="cudnn"`, needs the optional
+  `nvidia-cudnn-frontend`), what `"auto"` takes for rows of at most 4096 keys.
+Repeats (`--repeats`, default 5): the baseline, `sdpa_gather`, `cudnn_paged`, the best flash config and the best
+FP8 config are then timed again that many times each, interleaved; the summary's ratios are medians of those
+repeats, with their spread.
 Correctness: every paged output is poisoned (NaN) before the run and compared with SDPA's output.
 Timed with `triton.testing.do_bench` (CUDA events, median); the first call of a config also compiles it.
 
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from diffusion_kv import PagedAttentionMetadata, write_kv_cache  # noqa: E402
-from diffusion_kv.ops import fp8_attention, sdpa_gather, triton_flash, triton_kernels  # noqa: E402
+from diffusion_kv.ops import cudnn_paged, fp8_attention, sdpa_gather, triton_flash, triton_kernels  # noqa: E402
 
 TOKENS_PER_SHAPE = 16384
 MATH_MAX_SCORE_BYTES = 8 * 1024**3
@@ -54,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="directory for paged_attention.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under the Triton interpreter")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--repeats", type=int, default=5, help="re-timings of the headline variants per shape")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--fp8-min-seq", type=int, default=8192)
     return parser.parse_args()
@@ -151,19 +158,26 @@ class Shape:
             causal_prefix_lens=None if causal_prefix_len is None else [causal_prefix_len] * rows,
         )
 
-    def run(self, kernel: str, config: dict | None = None, causal_prefix_len: int | None = None) -> dict:
-        out = torch.full_like(self.query, float("nan"))
-        metadata = self.metadata if causal_prefix_len is None else self.metadata_with(causal_prefix_len)
-        args = (self.query, self.kv_cache, metadata, self.scale, out)
-
+    @staticmethod
+    def caller(kernel: str, config: dict | None, args: tuple):
         def call():
             if kernel == "generic":
                 triton_kernels.paged_attention(*args)
             elif kernel == "sdpa_gather":
                 sdpa_gather.paged_attention(*args)
+            elif kernel == "cudnn_paged":
+                cudnn_paged.paged_attention(*args)
             else:
                 triton_flash.paged_attention(*args, config=config)
 
+        return call
+
+    def run(self, kernel: str, config: dict | None = None, causal_prefix_len: int | None = None) -> dict:
+        out = torch.full_like(self.query, float("nan"))
+        metadata = self.metadata if causal_prefix_len is None else self.metadata_with(causal_prefix_len)
+        args = (self.query, self.kv_cache, metadata, self.scale, out)
+
+        call = self.caller(kernel, config, args)
         call()  # compiles (and autotunes when config is None)
         result = {"written": bool(not out.isnan().any())}
         if causal_prefix_len is None:
@@ -209,6 +223,60 @@ def fp8_case(shape: Shape, bf16_out: torch.Tensor, configs: list[dict]) -> dict:
     return results
 
 
+def sdpa_call(shape: Shape, backend: str, layout: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tensors = [t.transpose(1, 2) for t in (shape.q, shape.k, shape.v)]
+    if layout == "head-major":
+        tensors = [t.contiguous() for t in tensors]
+    chosen = SDPBackend[backend.upper()]
+
+    def call():
+        with sdpa_kernel(chosen):
+            F.scaled_dot_product_attention(*tensors)
+
+    return call
+
+
+def repeated(shape: Shape, entry: dict, best_config: dict | None, repeats: int) -> dict:
+    """The headline variants timed `repeats` times each, interleaved: median, min, max (ms) and median ratios."""
+    out = torch.empty_like(shape.query)
+    args = (shape.query, shape.kv_cache, shape.metadata, shape.scale, out)
+    calls = {"baseline": sdpa_call(shape, entry["baseline"]["backend"], entry["baseline"]["layout"]),
+             "sdpa_gather": Shape.caller("sdpa_gather", None, args)}
+    if "ms" in entry["paged"]["cudnn_paged"]:
+        calls["cudnn_paged"] = Shape.caller("cudnn_paged", None, args)
+    if best_config is not None:
+        calls["best_flash"] = Shape.caller("flash", best_config, args)
+    best_fp8 = entry.get("best_fp8")
+    if best_fp8 is not None:
+        config = next(c for c in flash_configs(fp8=True) if config_name(c).replace("flash", "fp8") == best_fp8)
+        k_scale = fp8_attention.per_head_scales(shape.keys)
+        v_scale = fp8_attention.per_head_scales(shape.values)
+        q_scale = fp8_attention.per_head_scales(shape.query)
+        cache = torch.empty(shape.kv_cache.shape, dtype=fp8_attention.FP8_DTYPE, device=shape.device)
+        fp8_attention.write_kv_cache_fp8(shape.keys, shape.values, cache, shape.metadata, k_scale, v_scale)
+        query = fp8_attention.quantize_per_head(shape.query, q_scale)
+        calls["best_fp8"] = lambda: triton_flash.paged_attention_fp8(
+            query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=config)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            times[name].append(timer_ms(call, shape.device))
+    summary = {name: {"ms_median": statistics.median(t), "ms_min": min(t), "ms_max": max(t), "ms_all": t}
+               for name, t in times.items()}
+    base = summary["baseline"]["ms_median"]
+    for name, timing in summary.items():
+        timing["tflops_median"] = shape.flops / timing["ms_median"] / 1e9
+        if name not in ("baseline", "best_fp8"):
+            timing["x_baseline"] = base / timing["ms_median"]
+            timing["x_baseline_range"] = [base / timing["ms_max"], base / timing["ms_min"]]
+    if "best_fp8" in summary and "best_flash" in summary:
+        summary["best_fp8"]["x_best_flash"] = summary["best_flash"]["ms_median"] / summary["best_fp8"]["ms_median"]
+    summary["repeats"] = repeats
+    return summary
+
+
 def main() -> int:
     args = parse_args()
     if SMOKE:
@@ -249,6 +317,9 @@ def main() -> int:
             best_name = min(timed, key=lambda k: timed[k]["ms"])
             entry["baseline"] = {"backend": best_name, **timed[best_name]}
             kernels = {"generic": shape.run("generic"), "sdpa_gather": shape.run("sdpa_gather")}
+            cudnn_reason = cudnn_paged.unsupported_reason(shape.query, shape.kv_cache, shape.metadata)
+            kernels["cudnn_paged"] = shape.run("cudnn_paged") if cudnn_reason is None else {
+                "error": f"declined: {cudnn_reason}"}
             for config in flash_configs():
                 if page % config["BLOCK_N"]:
                     continue
@@ -263,7 +334,9 @@ def main() -> int:
                     kernels["flash"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             entry["paged"] = kernels
             entry["ratio_sdpa_gather_vs_baseline"] = entry["baseline"]["ms"] / kernels["sdpa_gather"]["ms"]
-            ok = {k: v for k, v in kernels.items() if "ms" in v and k not in ("generic", "sdpa_gather")}
+            if "ms" in kernels["cudnn_paged"]:
+                entry["ratio_cudnn_paged_vs_baseline"] = entry["baseline"]["ms"] / kernels["cudnn_paged"]["ms"]
+            ok = {k: v for k, v in kernels.items() if "ms" in v and k not in ("generic", "sdpa_gather", "cudnn_paged")}
             best_flash = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
             entry["best_paged"] = best_flash
             if best_flash is not None:
@@ -292,6 +365,8 @@ def main() -> int:
                         best_fp8 = min(fp8_ok, key=lambda k: fp8_ok[k]["ms"])
                         entry["best_fp8"] = best_fp8
                         entry["ratio_fp8_vs_best_bf16_paged"] = ok[best_flash]["ms"] / fp8_ok[best_fp8]["ms"]
+                if not SMOKE and args.repeats > 1:
+                    entry["repeated"] = repeated(shape, entry, best_config, args.repeats)
             results.append(entry)
             print_entry(entry)
             save()
@@ -301,6 +376,7 @@ def main() -> int:
     print_summary(results)
     ok = all(v.get("written", True) and v.get("max_abs_err", 0.0) < 0.05
              for r in results for v in r["paged"].values() if "ms" in v)
+    print_repeated(results)
     print(f"paged outputs fully written and within 0.05 of SDPA: {'ok' if ok else 'FAIL'}")
     meta["all_written_and_close"] = ok
     save()
@@ -330,7 +406,7 @@ def print_entry(entry: dict) -> None:
 
 def print_summary(results: list[dict]) -> None:
     print(f"\n{'S':>6} {'page':>5} {'B':>2} {'baseline':>10} {'base TF':>8} {'generic TF':>10} {'best paged':<34}"
-          f"{'TF':>7} {'x base':>7} {'causal x':>9} {'fp8 TF':>7} {'fp8 x':>6} {'fp8 err':>8} {'gather x':>9}")
+          f"{'TF':>7} {'x base':>7} {'causal x':>9} {'fp8 TF':>7} {'fp8 x':>6} {'fp8 err':>8} {'gather x':>9} {'cudnn x':>8}")
     for r in results:
         best = r.get("best_paged")
         paged = r["paged"].get(best, {}) if best else {}
@@ -343,7 +419,25 @@ def print_summary(results: list[dict]) -> None:
               f" {causal.get('time_vs_noncausal', float('nan')):>8.3f}x {fp8.get('tflops', float('nan')):>7.1f} "
               f"{r.get('ratio_fp8_vs_best_bf16_paged', float('nan')):>5.2f}x "
               f"{fp8.get('rel_l2_vs_bf16_kernel', float('nan')):>8.1e} "
-              f"{r.get('ratio_sdpa_gather_vs_baseline', float('nan')):>8.3f}x")
+              f"{r.get('ratio_sdpa_gather_vs_baseline', float('nan')):>8.3f}x "
+              f"{r.get('ratio_cudnn_paged_vs_baseline', float('nan')):>7.3f}x")
+
+
+def print_repeated(results: list[dict]) -> None:
+    rows = [r for r in results if "repeated" in r]
+    if not rows:
+        return
+    print(f"\nrepeated ({rows[0]['repeated']['repeats']}x each, interleaved): median TFLOP/s and x baseline [min, max]")
+    for r in rows:
+        rep = r["repeated"]
+        parts = [f"baseline {rep['baseline']['tflops_median']:.0f}"]
+        for name in ("sdpa_gather", "cudnn_paged", "best_flash"):
+            if name in rep:
+                lo, hi = rep[name]["x_baseline_range"]
+                parts.append(f"{name} {rep[name]['tflops_median']:.0f} {rep[name]['x_baseline']:.3f}x [{lo:.3f}, {hi:.3f}]")
+        if "best_fp8" in rep:
+            parts.append(f"fp8 {rep['best_fp8']['tflops_median']:.0f} = {rep['best_fp8'].get('x_best_flash', 0):.2f}x flash")
+        print(f"S={r['seq_len']} page={r['page_size']}: " + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,16 @@ Both ops take one `PagedAttentionMetadata`: the forward's block tables, ragged q
 key lengths, query positions, causal prefix lengths and slot mapping, built once per forward
 (`diffusion_kv.prepare_batch` or `PagedAttentionMetadata.build`) and shared by every layer.
 
-Dispatch: `backend="auto"` runs, on CUDA tensors, `sdpa_gather` (the rows' pages gathered into
-contiguous K/V, then torch's SDPA, which picks cuDNN on Hopper) for rows of at least
-`SDPA_GATHER_MIN_QUERY_LEN` queries whenever `sdpa_gather.unsupported_reason` accepts the call,
-else the Triton kernels; elsewhere the torch reference path. `"torch"`, `"triton"` and `"sdpa"`
-force one (`"triton"` on CPU tensors needs `TRITON_INTERPRET=1` set before
-`diffusion_kv.ops.triton_kernels` is first imported; `"sdpa"` raises if the call is unsupported).
+Dispatch: `backend="auto"` on CUDA tensors, for rows of at least `SDPA_GATHER_MIN_QUERY_LEN` queries,
+runs cuDNN's own paged SDPA (`cudnn_paged`: the pages read in place, no copy; needs the optional
+`nvidia-cudnn-frontend`) when no row attends to more than `CUDNN_PAGED_MAX_SEQ_LEN` keys, and
+`sdpa_gather` (the rows' pages gathered into contiguous K/V, then torch's SDPA, which picks cuDNN on
+Hopper) for longer rows, where cuDNN's dense kernel outruns its paged one by more than the gather
+costs (H200, 2026-12-01: paged 0.90-0.92x dense, gather + dense 0.91-0.98x). Whichever of the two
+declines the call, the other is tried, then the Triton kernels; elsewhere the torch reference path.
+`"torch"`, `"triton"`, `"sdpa"` and `"cudnn"` force one (`"triton"` on CPU tensors needs
+`TRITON_INTERPRET=1` set before `diffusion_kv.ops.triton_kernels` is first imported; `"sdpa"` and
+`"cudnn"` raise if the call is unsupported).
 Attention has two Triton kernels: `triton_flash` (TMA tile loads, Hopper and later, fp16/bf16,
 head size 64 or 128, pages a multiple of 64 tokens, a contiguous cache) wherever
 `triton_flash.supported` accepts the call, and the generic `triton_kernels` everywhere else.
@@ -32,17 +36,22 @@ from torch import Tensor
 from diffusion_kv.ops import checks, reference
 from diffusion_kv.ops.attention_metadata import PagedAttentionMetadata
 
-Backend = Literal["auto", "torch", "triton", "sdpa"]
-_BACKENDS = ("auto", "torch", "triton", "sdpa")
-# Below this many queries per row the gather's fixed cost is not paid back; the Triton kernels run instead.
+Backend = Literal["auto", "torch", "triton", "sdpa", "cudnn"]
+_BACKENDS = ("auto", "torch", "triton", "sdpa", "cudnn")
+_ATTENTION_ONLY = ("sdpa", "cudnn")
+# Below this many queries per row "auto" keeps the Triton kernels (the library calls' fixed costs are not paid back).
 SDPA_GATHER_MIN_QUERY_LEN = 512
+# Up to this many keys per row "auto" prefers cuDNN's paged kernel; above it, gather + dense SDPA.
+CUDNN_PAGED_MAX_SEQ_LEN = 4096
 
 
 def _use_triton(backend: str, device_type: str) -> bool:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "sdpa":
-        raise ValueError("backend='sdpa' is an attention backend only; write_kv_cache takes 'auto', 'torch' or 'triton'")
+    if backend in _ATTENTION_ONLY:
+        raise ValueError(
+            f"backend={backend!r} is an attention backend only; write_kv_cache takes 'auto', 'torch' or 'triton'"
+        )
     if backend == "torch":
         return False
     if backend == "triton":
@@ -107,14 +116,16 @@ def paged_attention(
         out = query.new_empty(query.shape)
     if query.shape[0] == 0:
         return out
-    if backend == "sdpa" or (backend == "auto" and query.is_cuda and metadata.max_query_len >= SDPA_GATHER_MIN_QUERY_LEN):
-        from diffusion_kv.ops import sdpa_gather
-
-        reason = sdpa_gather.unsupported_reason(query, kv_cache, metadata)
-        if reason is None:
-            return sdpa_gather.paged_attention(query, kv_cache, metadata, scale, out)
-        if backend == "sdpa":
-            raise ValueError(f"backend='sdpa' cannot run this call: {reason}; use backend='auto'")
+    if backend in _ATTENTION_ONLY:
+        library = _library_path(backend)
+        reason = library.unsupported_reason(query, kv_cache, metadata)
+        if reason is not None:
+            raise ValueError(f"backend={backend!r} cannot run this call: {reason}; use backend='auto'")
+        return library.paged_attention(query, kv_cache, metadata, scale, out)
+    if backend == "auto" and query.is_cuda and metadata.max_query_len >= SDPA_GATHER_MIN_QUERY_LEN:
+        for library in _library_order(metadata):
+            if library.unsupported_reason(query, kv_cache, metadata) is None:
+                return library.paged_attention(query, kv_cache, metadata, scale, out)
     if _use_triton(backend, query.device.type):
         from diffusion_kv.ops import triton_flash, triton_kernels
 
@@ -124,7 +135,27 @@ def paged_attention(
     return reference.paged_attention(query, kv_cache, metadata, scale, out)
 
 
+def _library_path(backend: str):
+    if backend == "cudnn":
+        from diffusion_kv.ops import cudnn_paged
+
+        return cudnn_paged
+    from diffusion_kv.ops import sdpa_gather
+
+    return sdpa_gather
+
+
+def _library_order(metadata: PagedAttentionMetadata) -> tuple:
+    """The library paths "auto" tries, best first for the forward's longest row (see the module docstring)."""
+    rows = metadata.host_rows or ()
+    longest = max((row.seq_len for row in rows), default=0)
+    if longest <= CUDNN_PAGED_MAX_SEQ_LEN:
+        return _library_path("cudnn"), _library_path("sdpa")
+    return _library_path("sdpa"), _library_path("cudnn")
+
+
 __all__ = [
+    "CUDNN_PAGED_MAX_SEQ_LEN",
     "SDPA_GATHER_MIN_QUERY_LEN",
     "Backend",
     "PagedAttentionMetadata",

@@ -1,0 +1,299 @@
+"""Probe of cuDNN's paged SDPA (diffusion_kv.ops.cudnn_paged) and of extra Triton tile shapes, on the H200.
+
+Sections (all by default, or the ones named): `checks` (ragged rows, GQA, head sizes 64-256, empty rows, CUDA-graph
+replay, against the torch reference), `dit` (one DiT layer's attention: 4 rows x 1024 queries over 1536 keys, 24
+heads, through every path), `shapes` (S 4k/16k/32k x pages 64/256: torch's cuDNN SDPA on both layouts vs cuDNN
+paged with the heuristic's plan and with every plan timed, vs gather + SDPA), `host` (host microseconds to
+enqueue one call while the GPU is busy: a synchronizing path would wait), `sweep` (Triton bf16 and FP8 tiles
+beyond the autotuned lists, S 16k/32k). Five do_bench medians per timing in `shapes`/`dit`.
+
+    PYTHONPATH=packages/diffusion-kv/src python benchmarks/cudnn_probe.py OUT [SECTION ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).parent))
+from paged_attention import Shape  # noqa: E402
+
+from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
+from diffusion_kv.ops import cudnn_paged, sdpa_gather  # noqa: E402
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("probe_out")
+SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep"]
+OUT.mkdir(parents=True, exist_ok=True)
+REPS = 5
+results: dict = {"env": {}, "shapes": [], "checks": {}}
+
+
+def bench(fn) -> dict:
+    times = [float(do_bench(fn, warmup=25, rep=150, return_mode="median")) for _ in range(REPS)]
+    times.sort()
+    return {"ms_median": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "reps": times}
+
+
+def save():
+    (OUT / "cudnn_probe.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def env():
+    import cudnn
+
+    results["env"] = {"frontend": cudnn.__version__, "backend": cudnn.backend_version(),
+                      "torch_cudnn": torch.backends.cudnn.version(), "torch": torch.__version__,
+                      "reason": cudnn_paged.frontend_missing_reason()}
+    print(results["env"], flush=True)
+
+
+def shape_case(seq_len: int, page: int, gen):
+    batch = max(1, 16384 // seq_len)
+    shape = Shape(batch, seq_len, page, 24, 128, torch.bfloat16, "cuda", gen)
+    entry = {"S": seq_len, "page": page, "B": batch}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.transpose(1, 2) for t in (shape.q, shape.k, shape.v))
+    qh, kh, vh = (t.contiguous() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        entry["torch_cudnn_token_major"] = bench(lambda: F.scaled_dot_product_attention(q, k, v))
+        entry["torch_cudnn_head_major"] = bench(lambda: F.scaled_dot_product_attention(qh, kh, vh))
+    base = min(entry["torch_cudnn_token_major"]["ms_median"], entry["torch_cudnn_head_major"]["ms_median"])
+    out = torch.full_like(shape.query, float("nan"))
+    args = (shape.query, shape.kv_cache, shape.metadata, shape.scale, out)
+    for label, autotune in (("cudnn_paged_heuristic", False), ("cudnn_paged_autotuned", True)):
+        try:
+            cudnn_paged.AUTOTUNE = autotune
+            cudnn_paged._graphs.clear()
+            out.fill_(float("nan"))
+            t0 = time.perf_counter()
+            cudnn_paged.paged_attention(*args)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            (graph_entry,) = cudnn_paged._graphs.values()
+            err = (out.float() - shape.reference).abs().max().item()
+            run = bench(lambda: cudnn_paged.paged_attention(*args))
+            run.update(first_call_s=first, max_abs_err=err, written=bool(not out.isnan().any()),
+                       plan=graph_entry.plan_index, plans=graph_entry.graph.get_execution_plan_count(),
+                       ratio_vs_torch_cudnn=base / run["ms_median"])
+            entry[label] = run
+        except Exception as exc:  # noqa: BLE001
+            entry[label] = {"error": traceback.format_exc()[-3000:]}
+            print(entry[label]["error"], flush=True)
+    entry["sdpa_gather"] = bench(lambda: sdpa_gather.paged_attention(*args))
+    entry["sdpa_gather"]["ratio_vs_torch_cudnn"] = base / entry["sdpa_gather"]["ms_median"]
+    entry["flops"] = shape.flops
+    results["shapes"].append(entry)
+    summary = {k: (v.get("ms_median"), v.get("ratio_vs_torch_cudnn")) if isinstance(v, dict) else v
+               for k, v in entry.items()}
+    print(summary, flush=True)
+    save()
+
+
+def dit_case(gen):
+    """Two requests x CFG rows: 1024 image queries over 1024 + 512 prompt keys, 24 heads x 128 (a DiT layer)."""
+    rows, q_len, kv_len, heads, d, page = 4, 1024, 1536, 24, 128, 64
+    blocks = kv_len // page
+    perm = torch.randperm(rows * blocks + 8, generator=gen)[: rows * blocks]
+    tables = perm.view(rows, blocks).to("cuda", torch.int32)
+    cache = torch.randn(rows * blocks + 8, 2, page, heads, d, generator=gen).to("cuda", torch.bfloat16)
+    meta = PagedAttentionMetadata.build(tables, block_size=page, query_lens=[q_len] * rows, seq_lens=[kv_len] * rows,
+                                        query_pos_start=[kv_len - q_len] * rows)
+    qkv = torch.randn(rows * q_len, 3, heads, d, generator=gen).to("cuda", torch.bfloat16)
+    query = qkv[:, 0]  # a view of packed QKV: token stride 3 * heads * d
+    entry = {"case": "dit_layer"}
+    ref = paged_attention(query, cache, meta, backend="torch")
+    for label, fn in (
+        ("triton", lambda: paged_attention(query, cache, meta, backend="triton")),
+        ("auto", lambda: paged_attention(query, cache, meta)),
+        ("sdpa_gather", lambda: paged_attention(query, cache, meta, backend="sdpa")),
+        ("cudnn_paged", lambda: cudnn_paged.paged_attention(query, cache, meta, d ** -0.5,
+                                                            torch.empty(query.shape, dtype=query.dtype,
+                                                                        device="cuda"))),
+    ):
+        try:
+            result = fn()
+            entry[label] = bench(fn)
+            entry[label]["max_abs_err"] = (result.float() - ref.float()).abs().max().item()
+        except Exception:  # noqa: BLE001
+            entry[label] = {"error": traceback.format_exc()[-3000:]}
+    results["shapes"].append(entry)
+    print({k: v.get("ms_median", v.get("error")) if isinstance(v, dict) else v for k, v in entry.items()}, flush=True)
+    save()
+
+
+def checks(gen):
+    """Ragged rows, GQA, head sizes, empty rows, and CUDA-graph capture, against the torch reference."""
+    from kv_builders import build_paged_rows
+
+    out = {}
+    cases = {
+        "ragged_mha_d128": ([(0, 300), (0, 300), (40, 77), (5, 513)], 8, 8, 128, 64),
+        "gqa_d64": ([(0, 200), (10, 64)], 8, 2, 64, 64),
+        "d256": ([(0, 128), (0, 256)], 4, 4, 256, 64),
+        "d80_page16": ([(0, 100)], 4, 4, 80, 16),
+        "empty_row": ([(0, 128), (0, 0), (3, 60)], 4, 4, 128, 64),
+    }
+    for name, (rows, heads, kv_heads, d, page) in cases.items():
+        try:
+            args, *_ = build_paged_rows(rows, heads, kv_heads, d, page, torch.bfloat16, seed=11, device="cuda",
+                                        backend="triton", spare_blocks=5)
+            reason = cudnn_paged.unsupported_reason(*args)
+            ref = paged_attention(*args, backend="torch")
+            if reason is not None:
+                out[name] = {"declined": reason}
+                continue
+            res = torch.full_like(args[0], float("nan"))
+            cudnn_paged.paged_attention(args[0], args[1], args[2], args[0].shape[2] ** -0.5, res)
+            out[name] = {"max_abs_err": (res.float() - ref.float()).abs().max().item(),
+                         "nan": bool(res.isnan().any())}
+        except Exception:  # noqa: BLE001
+            out[name] = {"error": traceback.format_exc()[-2500:]}
+    try:  # capture in a CUDA graph, replay with new data
+        args, *_ = build_paged_rows([(0, 256), (0, 256)], 8, 8, 128, 64, torch.bfloat16, seed=3, device="cuda",
+                                    backend="triton")
+        query, cache, meta = args
+        res = torch.empty_like(query)
+        cudnn_paged.paged_attention(query, cache, meta, 128 ** -0.5, res)  # warm: graph built, plan picked
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cudnn_paged.paged_attention(query, cache, meta, 128 ** -0.5, res)
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention(query, cache, meta, backend="torch")
+        out["cuda_graph_replay"] = {"max_abs_err": (res.float() - ref.float()).abs().max().item()}
+    except Exception:  # noqa: BLE001
+        out["cuda_graph_replay"] = {"error": traceback.format_exc()[-2500:]}
+    results["checks"] = out
+    print(json.dumps(out, indent=1), flush=True)
+    save()
+
+
+def sweep(gen):
+    """Extra Triton tile configs, bf16 and FP8, at S 16k/32k."""
+    from diffusion_kv.ops import fp8_attention, triton_flash
+
+    bf16_cfgs = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5), (128, 128, 4, 3), (256, 64, 8, 3),
+                 (256, 128, 8, 2), (256, 128, 8, 3), (128, 128, 8, 3)]
+    fp8_cfgs = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 4, 4),
+                (256, 64, 8, 3), (256, 128, 8, 2), (256, 128, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4),
+                (128, 256, 8, 2), (256, 256, 8, 2)]
+    rows = []
+    for seq_len in (16384, 32768):
+        for page in (64, 256):
+            shape = Shape(max(1, 16384 // seq_len), seq_len, page, 24, 128, torch.bfloat16, "cuda", gen)
+            entry = {"S": seq_len, "page": page, "bf16": {}, "fp8": {}}
+            out = torch.empty_like(shape.query)
+            for bm, bn, w, st in bf16_cfgs:
+                if page % bn:
+                    continue
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                try:
+                    fn = lambda cfg=cfg: triton_flash.paged_attention(shape.query, shape.kv_cache, shape.metadata,
+                                                                     shape.scale, out, config=cfg)
+                    fn()
+                    err = (out.float() - shape.reference).abs().max().item()
+                    ms = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
+                    entry["bf16"][str((bm, bn, w, st))] = {"tflops": shape.flops / ms / 1e9, "err": err}
+                except Exception as exc:  # noqa: BLE001
+                    entry["bf16"][str((bm, bn, w, st))] = {"error": str(exc).splitlines()[0][:200]}
+            k_scale = fp8_attention.per_head_scales(shape.keys)
+            v_scale = fp8_attention.per_head_scales(shape.values)
+            q_scale = fp8_attention.per_head_scales(shape.query)
+            cache = torch.empty(shape.kv_cache.shape, dtype=fp8_attention.FP8_DTYPE, device="cuda")
+            fp8_attention.write_kv_cache_fp8(shape.keys, shape.values, cache, shape.metadata, k_scale, v_scale)
+            query = fp8_attention.quantize_per_head(shape.query, q_scale)
+            for bm, bn, w, st in fp8_cfgs:
+                if page % bn:
+                    continue
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                try:
+                    fn = lambda cfg=cfg: triton_flash.paged_attention_fp8(query, q_scale, cache, k_scale, v_scale,
+                                                                         shape.metadata, shape.scale, out, config=cfg)
+                    fn()
+                    err = ((out.float() - shape.reference).norm() / shape.reference.norm()).item()
+                    ms = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
+                    entry["fp8"][str((bm, bn, w, st))] = {"tflops": shape.flops / ms / 1e9, "rel_l2": err}
+                except Exception as exc:  # noqa: BLE001
+                    entry["fp8"][str((bm, bn, w, st))] = {"error": str(exc).splitlines()[0][:200]}
+            rows.append(entry)
+            print(json.dumps(entry), flush=True)
+            results["sweep"] = rows
+            save()
+            del shape, cache
+            torch.cuda.empty_cache()
+
+
+def host_overhead(gen):
+    """Host time to enqueue one call while the GPU is busy (a sync inside would make it wait for the sleep)."""
+    rows, q_len, kv_len, heads, d, page = 2, 1024, 1536, 16, 128, 64
+    blocks = kv_len // page
+    tables = torch.randperm(rows * blocks, generator=gen).view(rows, blocks).to("cuda", torch.int32)
+    cache = torch.randn(rows * blocks, 2, page, heads, d, generator=gen).to("cuda", torch.bfloat16)
+    meta = PagedAttentionMetadata.build(tables, block_size=page, query_lens=[q_len] * rows, seq_lens=[kv_len] * rows,
+                                        query_pos_start=[kv_len - q_len] * rows)
+    query = torch.randn(rows * q_len, heads, d, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.empty_like(query)
+    entry = {}
+    import cudnn
+
+    for label, fn in (
+        ("triton", lambda: paged_attention(query, cache, meta, out=out, backend="triton")),
+        ("sdpa_gather", lambda: paged_attention(query, cache, meta, out=out, backend="sdpa")),
+        ("cudnn_paged", lambda: paged_attention(query, cache, meta, out=out, backend="cudnn")),
+        ("cudnn_execute_only", None),
+        ("reason_only", lambda: cudnn_paged.unsupported_reason(query, cache, meta)),
+    ):
+        if fn is None:
+            (g,) = cudnn_paged._graphs.values() if len(cudnn_paged._graphs) == 1 else (None,)
+            if g is None:
+                continue
+            rows_in = cudnn_paged._row_inputs(meta, query.stride(0), heads * d)
+            pack = cudnn_paged._variant_pack(g, query, cache, out, rows_in)
+            ws = torch.empty(max(g.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+            h = cudnn_paged._handle(query.device)
+            fn = lambda: g.graph.execute_plan_at_index(pack, ws, g.plan_index or 0, handle=h)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spin ahead of the calls
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        entry[label] = {"host_us_per_call": host}
+    cudnn_paged._graphs.clear()
+    results["host_overhead"] = entry
+    print(entry, flush=True)
+    save()
+
+
+def main():
+    gen = torch.Generator().manual_seed(0)
+    env()
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "diffusion_kv"))
+    if "checks" in SECTIONS:
+        checks(gen)
+    if "dit" in SECTIONS:
+        dit_case(gen)
+    if "shapes" in SECTIONS:
+        for seq_len in (4096, 16384, 32768):
+            for page in (64, 256):
+                shape_case(seq_len, page, gen)
+                torch.cuda.empty_cache()
+    if "host" in SECTIONS:
+        host_overhead(gen)
+    if "sweep" in SECTIONS:
+        sweep(gen)
+
+
+if __name__ == "__main__":
+    main()
