@@ -229,7 +229,7 @@ def sdpa_call(shape: Shape, backend: str, layout: str):
     tensors = [t.transpose(1, 2) for t in (shape.q, shape.k, shape.v)]
     if layout == "head-major":
         tensors = [t.contiguous() for t in tensors]
-    chosen = SDPBackend[backend.upper()]
+    chosen = getattr(SDPBackend, backend.upper())
 
     def call():
         with sdpa_kernel(chosen):
