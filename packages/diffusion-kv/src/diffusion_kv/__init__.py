@@ -1,7 +1,7 @@
 """Paged KV cache for diffusion transformers: atomic CFG reservation over vLLM's KVCacheManager, shared contexts,
 scheduler admission, worker block tables and paged non-causal attention."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # --- control plane (requests, metadata, manager, scheduler) ---
 from diffusion_kv.allocator import BlockAllocator, BlockPoolConfig, BuiltinBlockPool
