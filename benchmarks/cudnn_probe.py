@@ -29,7 +29,8 @@ from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache
 from diffusion_kv.ops import cudnn_paged, sdpa_gather  # noqa: E402
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("probe_out")
-SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep"]
+VARIANT_SECONDS = 25
+SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep", "engines"]
 OUT.mkdir(parents=True, exist_ok=True)
 REPS = 5
 results: dict = {"env": {}, "shapes": [], "checks": {}}
@@ -179,7 +180,7 @@ def checks(gen):
 
 def sweep(gen):
     """Extra Triton tile configs, bf16 and FP8, at S 16k/32k."""
-    from diffusion_kv.ops import fp8_attention, triton_flash
+    from diffusion_kv.ops import triton_flash
 
     bf16_cfgs = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5), (128, 128, 4, 3), (256, 64, 8, 3),
                  (256, 128, 8, 2), (256, 128, 8, 3), (128, 128, 8, 3)]
@@ -205,12 +206,7 @@ def sweep(gen):
                     entry["bf16"][str((bm, bn, w, st))] = {"tflops": shape.flops / ms / 1e9, "err": err}
                 except Exception as exc:  # noqa: BLE001
                     entry["bf16"][str((bm, bn, w, st))] = {"error": str(exc).splitlines()[0][:200]}
-            k_scale = fp8_attention.per_head_scales(shape.keys)
-            v_scale = fp8_attention.per_head_scales(shape.values)
-            q_scale = fp8_attention.per_head_scales(shape.query)
-            cache = torch.empty(shape.kv_cache.shape, dtype=fp8_attention.FP8_DTYPE, device="cuda")
-            fp8_attention.write_kv_cache_fp8(shape.keys, shape.values, cache, shape.metadata, k_scale, v_scale)
-            query = fp8_attention.quantize_per_head(shape.query, q_scale)
+            query, q_scale, cache, k_scale, v_scale = shape.fp8_inputs()
             for bm, bn, w, st in fp8_cfgs:
                 if page % bn:
                     continue
@@ -276,6 +272,122 @@ def host_overhead(gen):
     save()
 
 
+def _graph(shape, paged: bool, implementation: str):
+    """A cuDNN SDPA graph over `shape`: dense token-major K/V (torch's layout), or the paged cache in place."""
+    import cudnn
+
+    io = cudnn.data_type.BFLOAT16
+    handle = cudnn_paged._handle(torch.device("cuda"))
+    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    b, s_len, h, d = shape.q.shape
+    tok = h * d
+    q = graph.tensor(name="q", dim=[b, h, s_len, d], stride=[s_len * tok, d, tok, 1], data_type=io)
+    buffers = {"q": shape.q}
+    kw = dict(implementation=getattr(cudnn.attention_implementation, implementation))
+    if paged:
+        nb, _, page, hk, _ = shape.kv_cache.shape
+        strides = [2 * page * hk * d, d, hk * d, 1]
+        k = graph.tensor(name="k", dim=[nb, hk, page, d], stride=strides, data_type=io)
+        v = graph.tensor(name="v", dim=[nb, hk, page, d], stride=strides, data_type=io)
+        width = shape.block_tables.shape[1]
+        kt = graph.tensor(name="kt", dim=[b, 1, width, 1], stride=[width, width, 1, 1], data_type=cudnn.data_type.INT32)
+        vt = graph.tensor(name="vt", dim=[b, 1, width, 1], stride=[width, width, 1, 1], data_type=cudnn.data_type.INT32)
+        sq = graph.tensor(name="sq", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        skv = graph.tensor(name="skv", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        lens = torch.full((b, 1, 1, 1), s_len, dtype=torch.int32, device="cuda")
+        half = page * hk * d * 2
+        buffers.update(k=shape.kv_cache.data_ptr(), v=shape.kv_cache.data_ptr() + half, kt=shape.block_tables,
+                       vt=shape.block_tables, sq=lens, skv=lens)
+        kw.update(use_padding_mask=True, seq_len_q=sq, seq_len_kv=skv, paged_attention_k_table=kt,
+                  paged_attention_v_table=vt, paged_attention_max_seq_len_kv=s_len)
+        named = {"q": q, "k": k, "v": v, "kt": kt, "vt": vt, "sq": sq, "skv": skv}
+    else:
+        k = graph.tensor(name="k", dim=[b, h, s_len, d], stride=[s_len * tok, d, tok, 1], data_type=io)
+        v = graph.tensor(name="v", dim=[b, h, s_len, d], stride=[s_len * tok, d, tok, 1], data_type=io)
+        buffers.update(k=shape.k, v=shape.v)
+        named = {"q": q, "k": k, "v": v}
+    o, _ = graph.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=False, attn_scale=shape.scale, **kw)
+    out = torch.empty_like(shape.q)
+    o.set_output(True).set_dim([b, h, s_len, d]).set_stride([s_len * tok, d, tok, 1])
+    named["o"] = o
+    buffers["o"] = out
+    graph.validate()
+    graph.build_operation_graph()
+    pack = {named[n]: buffers[n] for n in named}
+    return graph, pack, out, handle
+
+
+def engines(gen):
+    """Every cuDNN engine and knob setting for dense and paged SDPA, each timed: does any beat torch's pick?"""
+    import itertools
+
+    import cudnn
+
+    rows = []
+    for seq_len, page in ((4096, 64), (16384, 64), (16384, 256)):
+        shape = Shape(max(1, 16384 // seq_len), seq_len, page, 24, 128, torch.bfloat16, "cuda", gen)
+        q, k, v = (t.transpose(1, 2) for t in (shape.q, shape.k, shape.v))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch_ms = float(do_bench(lambda: F.scaled_dot_product_attention(q, k, v), warmup=25, rep=100,
+                                      return_mode="median"))
+        entry = {"S": seq_len, "page": page, "torch_cudnn_ms": torch_ms, "configs": []}
+        for paged, impl in ((False, "AUTO"), (True, "AUTO"), (False, "UNIFIED"), (True, "UNIFIED")):
+            label = f"{'paged' if paged else 'dense'}/{impl}"
+            try:
+                graph, pack, out, handle = _graph(shape, paged, impl)
+            except Exception as exc:  # noqa: BLE001
+                entry["configs"].append({"variant": label, "error": str(exc).splitlines()[0][:300]})
+                continue
+            candidates = []
+            for engine in range(graph.get_engine_count()):
+                try:
+                    knobs = graph.get_knobs_for_engine(engine)
+                except Exception:  # noqa: BLE001
+                    continue
+                ranges = [[(kn.type, value) for value in range(kn.min_value, kn.max_value + 1, max(kn.stride, 1))]
+                          for kn in knobs]
+                combos = list(itertools.product(*ranges)) if ranges else [()]
+                for combo in combos[:48]:
+                    candidates.append((engine, dict(combo)))
+            for engine, knobs in candidates:
+                try:
+                    graph.create_execution_plan(engine, knobs)
+                except Exception:  # noqa: BLE001
+                    continue
+            count = graph.get_execution_plan_count()
+            timed = []
+            started = time.perf_counter()
+            for index in range(count):
+                if time.perf_counter() - started > VARIANT_SECONDS:
+                    timed.append({"index": index, "error": f"not tried: {VARIANT_SECONDS} s budget spent"})
+                    continue
+                try:
+                    graph.build_plan_at_index(index)
+                    ws = torch.empty(max(graph.get_workspace_size_plan_at_index(index), 1), dtype=torch.uint8,
+                                     device="cuda")
+                    fn = lambda index=index, ws=ws: graph.execute_plan_at_index(pack, ws, index, handle=handle)
+                    fn()
+                    torch.cuda.synchronize()
+                    err = (out.reshape(-1, 24, 128).float() - shape.reference).abs().max().item()
+                    ms = float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+                    timed.append({"name": graph.get_plan_name_at_index(index), "ms": ms,
+                                  "x_torch": torch_ms / ms, "err": err})
+                except Exception as exc:  # noqa: BLE001
+                    timed.append({"index": index, "error": str(exc).splitlines()[0][:160]})
+            ok = sorted((t for t in timed if "ms" in t), key=lambda t: t["ms"])
+            entry["configs"].append({"variant": label, "candidates": len(candidates), "plans": count,
+                                     "best": ok[:5], "failed": len(timed) - len(ok)})
+            print(label, seq_len, page, "plans", count, "best", ok[:3], flush=True)
+        rows.append(entry)
+        results["engines"] = rows
+        save()
+        del shape
+        torch.cuda.empty_cache()
+
+
 def main():
     gen = torch.Generator().manual_seed(0)
     env()
@@ -293,6 +405,8 @@ def main():
         host_overhead(gen)
     if "sweep" in SECTIONS:
         sweep(gen)
+    if "engines" in SECTIONS:
+        engines(gen)
 
 
 if __name__ == "__main__":

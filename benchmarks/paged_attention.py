@@ -158,6 +158,15 @@ class Shape:
             causal_prefix_lens=None if causal_prefix_len is None else [causal_prefix_len] * rows,
         )
 
+    def fp8_inputs(self) -> tuple:
+        """`(query, q_scale, cache, k_scale, v_scale)`: the shape's Q/K/V in e4m3 with per-head scales."""
+        k_scale = fp8_attention.per_head_scales(self.keys)
+        v_scale = fp8_attention.per_head_scales(self.values)
+        q_scale = fp8_attention.per_head_scales(self.query)
+        cache = torch.empty(self.kv_cache.shape, dtype=fp8_attention.FP8_DTYPE, device=self.device)
+        fp8_attention.write_kv_cache_fp8(self.keys, self.values, cache, self.metadata, k_scale, v_scale)
+        return fp8_attention.quantize_per_head(self.query, q_scale), q_scale, cache, k_scale, v_scale
+
     @staticmethod
     def caller(kernel: str, config: dict | None, args: tuple):
         def call():
@@ -191,12 +200,7 @@ class Shape:
 
 def fp8_case(shape: Shape, bf16_out: torch.Tensor, configs: list[dict]) -> dict:
     """FP8 cache and queries with per-head scales; every FP8 config timed; error against the bf16 kernel."""
-    k_scale = fp8_attention.per_head_scales(shape.keys)
-    v_scale = fp8_attention.per_head_scales(shape.values)
-    q_scale = fp8_attention.per_head_scales(shape.query)
-    cache = torch.empty(shape.kv_cache.shape, dtype=fp8_attention.FP8_DTYPE, device=shape.device)
-    fp8_attention.write_kv_cache_fp8(shape.keys, shape.values, cache, shape.metadata, k_scale, v_scale)
-    query = fp8_attention.quantize_per_head(shape.query, q_scale)
+    query, q_scale, cache, k_scale, v_scale = shape.fp8_inputs()
     results = {}
     for config in configs:
         name = config_name(config).replace("flash", "fp8")
@@ -251,12 +255,7 @@ def repeated(shape: Shape, entry: dict, best_config: dict | None, repeats: int) 
     best_fp8 = entry.get("best_fp8")
     if best_fp8 is not None:
         config = next(c for c in flash_configs(fp8=True) if config_name(c).replace("flash", "fp8") == best_fp8)
-        k_scale = fp8_attention.per_head_scales(shape.keys)
-        v_scale = fp8_attention.per_head_scales(shape.values)
-        q_scale = fp8_attention.per_head_scales(shape.query)
-        cache = torch.empty(shape.kv_cache.shape, dtype=fp8_attention.FP8_DTYPE, device=shape.device)
-        fp8_attention.write_kv_cache_fp8(shape.keys, shape.values, cache, shape.metadata, k_scale, v_scale)
-        query = fp8_attention.quantize_per_head(shape.query, q_scale)
+        query, q_scale, cache, k_scale, v_scale = shape.fp8_inputs()
         calls["best_fp8"] = lambda: triton_flash.paged_attention_fp8(
             query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=config)
     times: dict[str, list[float]] = {name: [] for name in calls}

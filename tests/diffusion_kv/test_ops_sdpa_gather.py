@@ -77,3 +77,16 @@ def test_auto_keeps_the_reference_path_on_cpu_and_the_threshold_is_public():
     assert SDPA_GATHER_MIN_QUERY_LEN == 512
     args, *_ = build_paged_rows([(0, 8)], 2, 2, 16, 4, torch.float32, seed=2, device="cpu", backend="torch")
     torch.testing.assert_close(paged_attention(*args), paged_attention(*args, backend="torch"), rtol=0, atol=0)
+
+
+def test_per_forward_row_facts_are_computed_from_host_rows_once():
+    """The launch decisions every layer makes (longest row, causal-prefix queries) come from one cached pass."""
+    _, _, metadata = build_paged_rows([(0, 8), (6, 10)], 2, 2, 16, 4, torch.float32, seed=1, device="cpu",
+                                      backend="torch", causal_prefix_lens=[0, 6])[0]
+    assert metadata.host_max_seq_len == 16 and metadata.queries_inside_causal_prefix is False
+    assert "host_max_seq_len" in vars(metadata)  # cached on the instance: later layers do not re-walk the rows
+    _, _, inside = build_paged_rows([(0, 8)], 2, 2, 16, 4, torch.float32, seed=1, device="cpu", backend="torch",
+                                    causal_prefix_lens=[3])[0]
+    assert inside.queries_inside_causal_prefix is True
+    bare = dataclasses.replace(metadata, host_rows=None)
+    assert bare.host_max_seq_len is None and bare.queries_inside_causal_prefix is None

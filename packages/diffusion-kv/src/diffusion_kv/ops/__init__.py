@@ -147,9 +147,7 @@ def _library_path(backend: str):
 
 def _library_order(metadata: PagedAttentionMetadata) -> tuple:
     """The library paths "auto" tries, best first for the forward's longest row (see the module docstring)."""
-    rows = metadata.host_rows or ()
-    longest = max((row.seq_len for row in rows), default=0)
-    if longest <= CUDNN_PAGED_MAX_SEQ_LEN:
+    if (metadata.host_max_seq_len or 0) <= CUDNN_PAGED_MAX_SEQ_LEN:
         return _library_path("cudnn"), _library_path("sdpa")
     return _library_path("sdpa"), _library_path("cudnn")
 

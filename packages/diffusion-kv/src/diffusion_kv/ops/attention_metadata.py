@@ -9,6 +9,7 @@ and shared by every layer of it (as vLLM builds one attention-metadata object pe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -47,7 +48,9 @@ class PagedAttentionMetadata:
     - `block_size`: the page size the slots were computed for; `num_tokens` and `max_query_len`
       are host copies, so a launch never reads a device tensor back;
     - `host_rows`: every row's shape as host ints (`HostRow`), set by `build`; None when the
-      metadata was constructed directly (backends that need it then decline the call).
+      metadata was constructed directly (backends that need it then decline the call);
+      `host_max_seq_len` and `queries_inside_causal_prefix` are derived from it once per metadata
+      (cached), so the forward's layers do not re-walk the rows.
 
     `build` is the constructor: it checks every row's values on the host. The plain constructor
     checks types, shapes and devices only, and trusts the values.
@@ -96,6 +99,20 @@ class PagedAttentionMetadata:
                 raise ValueError(f"{name} must be contiguous in its last dim (the kernels index it densely)")
         if self.host_rows is not None and len(self.host_rows) != num_rows:
             raise ValueError(f"host_rows has {len(self.host_rows)} entries for {num_rows} block-table rows")
+
+    @functools.cached_property
+    def host_max_seq_len(self) -> int | None:
+        """The longest row's key count, from `host_rows` (None without them); computed once per metadata."""
+        if self.host_rows is None:
+            return None
+        return max((row.seq_len for row in self.host_rows), default=0)
+
+    @functools.cached_property
+    def queries_inside_causal_prefix(self) -> bool | None:
+        """Whether any query sits inside its row's causal prefix (None without `host_rows`); computed once."""
+        if self.host_rows is None:
+            return None
+        return any(row.query_len and row.query_pos_start < row.causal_prefix_len for row in self.host_rows)
 
     @property
     def num_rows(self) -> int:

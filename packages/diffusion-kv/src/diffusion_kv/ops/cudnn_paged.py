@@ -78,7 +78,7 @@ def unsupported_reason(query: Tensor, kv_cache: Tensor, metadata: PagedAttention
         return "query heads are not packed rows [tokens, heads, head_size] (a token stride may be wider)"
     if metadata.host_rows is None:
         return "the metadata has no host row shapes (build it with PagedAttentionMetadata.build)"
-    if any(row.query_len and row.query_pos_start < row.causal_prefix_len for row in metadata.host_rows):
+    if metadata.queries_inside_causal_prefix:
         return "a query lies inside its row's causal prefix"
     return frontend_missing_reason()
 
@@ -239,7 +239,7 @@ def paged_attention(
     assert rows_host is not None, "checked by unsupported_reason"
     num_blocks, _, page, kv_heads, head_size = kv_cache.shape
     heads = query.shape[1]
-    max_seq_len = max(row.seq_len for row in rows_host)
+    max_seq_len = metadata.host_max_seq_len
     result = out if out.is_contiguous() else torch.empty_like(query)
     key = _GraphKey(
         device=query.device.index if query.device.index is not None else torch.cuda.current_device(),

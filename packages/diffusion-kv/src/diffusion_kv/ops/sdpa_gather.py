@@ -31,7 +31,7 @@ def unsupported_reason(query: Tensor, kv_cache: Tensor, metadata: PagedAttention
         return f"grouped-query heads ({query.shape[1]} query heads over {kv_cache.shape[3]} kv heads)"
     if kv_cache.dtype not in _DTYPES:
         return f"cache dtype {kv_cache.dtype} (FP8 caches go through diffusion_kv.ops.fp8_attention)"
-    if any(row.query_len and row.query_pos_start < row.causal_prefix_len for row in metadata.host_rows):
+    if metadata.queries_inside_causal_prefix:
         return "a query lies inside its row's causal prefix"
     return None
 
