@@ -129,3 +129,16 @@ def test_auto_takes_cudnn_for_long_query_rows():
     out = paged_attention(*args)
     assert len(cudnn_paged._graphs) == 1  # the auto path built (and ran) a cuDNN graph
     torch.testing.assert_close(out.float(), paged_attention(*args, backend="torch").float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cudnn
+def test_the_graph_cache_keeps_the_most_recently_used(monkeypatch):
+    monkeypatch.setattr(cudnn_paged, "MAX_CACHED_GRAPHS", 2)
+    cudnn_paged._graphs.clear()
+    shapes = [[(0, 64)], [(0, 128)], [(0, 64)], [(0, 192)]]  # the third reuses the first's graph
+    for rows in shapes:
+        args, *_ = build_paged_rows(rows, 4, 4, 64, 64, torch.bfloat16, seed=4, device="cuda", backend="triton")
+        out = _run(args)
+        torch.testing.assert_close(out.float(), paged_attention(*args, backend="torch").float(), rtol=2e-2,
+                                   atol=2e-2)
+    assert [key.max_query_len for key in cudnn_paged._graphs] == [64, 192]

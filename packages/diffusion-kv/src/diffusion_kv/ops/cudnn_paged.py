@@ -6,14 +6,17 @@ its fused attention with K and V given as page pools plus page tables. diffusion
 to cuDNN as `[num_blocks, kv_heads, page, head_size]` with strides `(2 * page * kv_heads * head_size, head_size,
 kv_heads * head_size, 1)`, V the same view one half-block further, and every row's block-table row is its page
 table. Nothing is gathered or copied: queries and outputs are the packed token axis, described as ragged
-`[rows, heads, max_query_len, head_size]` tensors whose row starts are `query_start_loc * heads * head_size`.
+`[rows, heads, max_query_len, head_size]` tensors whose row starts are `query_start_loc` times the token stride
+(queries may be views of a packed QKV tensor; outputs are contiguous).
 
 One cuDNN graph is built per call shape (rows, heads, kv heads, head size, page, pool size, table width, the
-longest query and key rows, dtype, scale) and cached for the process; the per-row lengths are device tensors
-read by the kernel, so rows of any lengths up to those maxima reuse the graph. When a graph is first built, every
-execution plan cuDNN offers is timed on the call's own data and the fastest is kept (`AUTOTUNE`; the heuristic's
-first choice otherwise). Calls are captured by CUDA graphs like any other kernel launch (the workspace comes from
-torch's allocator on the current stream).
+longest query and key rows, query token stride, dtype, scale) and cached for the process (the
+`MAX_CACHED_GRAPHS` most recently used). Per-row lengths are device tensors read by the kernel, so any forward
+whose longest rows match reuses the graph. Building one takes a fraction of a second, so a serving loop should
+keep its row shapes few (a fixed prompt length does). The heuristic's first plan runs; with `AUTOTUNE` set,
+every plan cuDNN builds is timed on a graph's first call and the fastest kept (on the H200 no plan beat the
+heuristic's, 2026-12-01). Calls are captured by CUDA graphs like any other kernel launch: the workspace comes
+from torch's allocator on the current stream, and nothing synchronizes.
 
 It declines (`unsupported_reason` says why) what it cannot compute exactly: a query inside its row's causal
 prefix (cuDNN's masks are bands, not diffusion_kv's prefix rule), fp32 or FP8 caches, head sizes cuDNN's fused
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +113,8 @@ class _Graph:
     plan_index: int | None
 
 
-_graphs: dict[_GraphKey, _Graph] = {}
+MAX_CACHED_GRAPHS = 64  # least recently used graphs beyond this are dropped (each holds built cuDNN plans)
+_graphs: OrderedDict[_GraphKey, _Graph] = OrderedDict()
 _handles: dict[int, Any] = {}
 _row_tensors: tuple[weakref.ref, int, dict[str, Tensor]] | None = None
 
@@ -255,6 +260,10 @@ def paged_attention(
     entry = _graphs.get(key)
     if entry is None:
         entry = _graphs[key] = _build(key, rows["ragged_q"].dtype, handle)
+        while len(_graphs) > MAX_CACHED_GRAPHS:
+            _graphs.popitem(last=False)
+    else:
+        _graphs.move_to_end(key)
     pack = _variant_pack(entry, query, kv_cache, result, rows)
     if entry.plan_index is None and not torch.cuda.is_current_stream_capturing():  # timing needs synchronizing
         _pick_plan(entry, pack, query.device, handle)
