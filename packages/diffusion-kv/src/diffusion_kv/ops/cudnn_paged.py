@@ -80,6 +80,8 @@ def unsupported_reason(query: Tensor, kv_cache: Tensor, metadata: PagedAttention
         return "the cache is not contiguous"
     if query.stride(2) != 1 or query.stride(1) != head_size or query.stride(0) < query.shape[1] * head_size:
         return "query heads are not packed rows [tokens, heads, head_size] (a token stride may be wider)"
+    if (query.stride(0) * query.element_size()) % 16 or query.data_ptr() % 16 or kv_cache.data_ptr() % 16:
+        return "a query token stride or a base pointer is not 16-byte aligned"
     if metadata.host_rows is None:
         return "the metadata has no host row shapes (build it with PagedAttentionMetadata.build)"
     if metadata.queries_inside_causal_prefix:
@@ -245,7 +247,7 @@ def paged_attention(
     num_blocks, _, page, kv_heads, head_size = kv_cache.shape
     heads = query.shape[1]
     max_seq_len = metadata.host_max_seq_len
-    result = out if out.is_contiguous() else torch.empty_like(query)
+    result = out if out.is_contiguous() else torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key = _GraphKey(
         device=query.device.index if query.device.index is not None else torch.cuda.current_device(),
         dtype=query.dtype, rows=metadata.num_rows, heads=heads, kv_heads=kv_heads, head_size=head_size, page=page,
@@ -268,7 +270,8 @@ def paged_attention(
     if entry.plan_index is None and not torch.cuda.is_current_stream_capturing():  # timing needs synchronizing
         _pick_plan(entry, pack, query.device, handle)
     workspace = torch.empty(max(entry.workspace_bytes, 1), dtype=torch.uint8, device=query.device)
-    entry.graph.execute_plan_at_index(pack, workspace, entry.plan_index or 0, handle=handle)
+    with torch.cuda.device(query.device):  # the handle's device, whatever device is current
+        entry.graph.execute_plan_at_index(pack, workspace, entry.plan_index or 0, handle=handle)
     if result is not out:
         out.copy_(result)
     return out
