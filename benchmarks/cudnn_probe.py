@@ -5,7 +5,8 @@ replay, against the torch reference), `dit` (one DiT layer's attention: 4 rows x
 heads, through every path), `shapes` (S 4k/16k/32k x pages 64/256: torch's cuDNN SDPA on both layouts vs cuDNN
 paged with the heuristic's plan and with every plan timed, vs gather + SDPA), `host` (host microseconds to
 enqueue one call while the GPU is busy: a synchronizing path would wait), `sweep` (Triton bf16 and FP8 tiles
-beyond the autotuned lists, S 16k/32k). Five do_bench medians per timing in `shapes`/`dit`.
+beyond the autotuned lists, S 16k/32k), `engines` (every cuDNN engine and knob setting, dense and paged),
+`build` (seconds of a call that builds its graph vs a cached one). Five do_bench medians per timing in `shapes`/`dit`.
 
     PYTHONPATH=packages/diffusion-kv/src python benchmarks/cudnn_probe.py OUT [SECTION ...]
 """
@@ -30,7 +31,7 @@ from diffusion_kv.ops import cudnn_paged, sdpa_gather  # noqa: E402
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("probe_out")
 VARIANT_SECONDS = 25
-SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep", "engines"]
+SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep", "engines", "build"]
 OUT.mkdir(parents=True, exist_ok=True)
 REPS = 5
 results: dict = {"env": {}, "shapes": [], "checks": {}}
@@ -388,6 +389,28 @@ def engines(gen):
         torch.cuda.empty_cache()
 
 
+def build_time(gen):
+    """Seconds for a call that must first build its cuDNN graph (heuristic plan), against a cached call."""
+    from kv_builders import build_paged_rows
+
+    rows_out = []
+    for rows in ([(512, 1024)] * 2, [(512, 1024)] * 4, [(0, 4096)], [(77, 1000), (512, 1024)]):
+        args, *_ = build_paged_rows(rows, 16, 16, 128, 64, torch.bfloat16, seed=5, device="cuda", backend="triton")
+        out = torch.empty_like(args[0])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cudnn_paged.paged_attention(args[0], args[1], args[2], 128 ** -0.5, out)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cudnn_paged.paged_attention(args[0], args[1], args[2], 128 ** -0.5, out)
+        torch.cuda.synchronize()
+        rows_out.append({"rows": rows, "first_call_s": first, "cached_call_s": time.perf_counter() - t0})
+    results["build_time"] = rows_out
+    print(rows_out, flush=True)
+    save()
+
+
 def main():
     gen = torch.Generator().manual_seed(0)
     env()
@@ -407,6 +430,8 @@ def main():
         sweep(gen)
     if "engines" in SECTIONS:
         engines(gen)
+    if "build" in SECTIONS:
+        build_time(gen)
 
 
 if __name__ == "__main__":
