@@ -6,7 +6,8 @@ heads, through every path), `shapes` (S 4k/16k/32k x pages 64/256: torch's cuDNN
 paged with the heuristic's plan and with every plan timed, vs gather + SDPA), `host` (host microseconds to
 enqueue one call while the GPU is busy: a synchronizing path would wait), `sweep` (Triton bf16 and FP8 tiles
 beyond the autotuned lists, S 16k/32k), `engines` (every cuDNN engine and knob setting, dense and paged),
-`build` (seconds of a call that builds its graph vs a cached one). Five do_bench medians per timing in `shapes`/`dit`.
+`build` (seconds of a call that builds its graph vs a cached one), `gather_output` (gather + SDPA writing into a
+caller's `out` vs returning SDPA's own output). Five do_bench medians per timing in `shapes`/`dit`.
 
     PYTHONPATH=packages/diffusion-kv/src python benchmarks/cudnn_probe.py OUT [SECTION ...]
 """
@@ -31,7 +32,7 @@ from diffusion_kv.ops import cudnn_paged, sdpa_gather  # noqa: E402
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("probe_out")
 VARIANT_SECONDS = 25
-SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep", "engines", "build"]
+SECTIONS = sys.argv[2:] or ["checks", "dit", "shapes", "host", "sweep", "engines", "build", "gather_output"]
 OUT.mkdir(parents=True, exist_ok=True)
 REPS = 5
 results: dict = {"env": {}, "shapes": [], "checks": {}}
@@ -411,6 +412,24 @@ def build_time(gen):
     save()
 
 
+def gather_output(gen):
+    """gather + SDPA with a caller's `out` (SDPA's result copied in) vs without (SDPA's own output returned)."""
+    rows = []
+    for seq_len in (4096, 16384):
+        shape = Shape(max(1, 16384 // seq_len), seq_len, 64, 24, 128, torch.bfloat16, "cuda", gen)
+        out = torch.empty_like(shape.query)
+        with_out = bench(lambda: paged_attention(shape.query, shape.kv_cache, shape.metadata, out=out, backend="sdpa"))
+        without = bench(lambda: paged_attention(shape.query, shape.kv_cache, shape.metadata, backend="sdpa"))
+        same = torch.equal(paged_attention(shape.query, shape.kv_cache, shape.metadata, backend="sdpa"), out)
+        rows.append({"S": seq_len, "with_out_ms": with_out["ms_median"], "without_out_ms": without["ms_median"],
+                     "speedup": with_out["ms_median"] / without["ms_median"], "bitwise_equal": same,
+                     "with_out": with_out, "without_out": without})
+        print({k: v for k, v in rows[-1].items() if not isinstance(v, dict)}, flush=True)
+        del shape
+    results["gather_output"] = rows
+    save()
+
+
 def main():
     gen = torch.Generator().manual_seed(0)
     env()
@@ -432,6 +451,8 @@ def main():
         engines(gen)
     if "build" in SECTIONS:
         build_time(gen)
+    if "gather_output" in SECTIONS:
+        gather_output(gen)
 
 
 if __name__ == "__main__":

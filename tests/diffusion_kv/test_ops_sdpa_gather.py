@@ -31,6 +31,16 @@ def test_ragged_rows_match_sdpa(device, dtype):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
     reference = paged_attention(*args, backend="torch")
     torch.testing.assert_close(out.float(), reference.float(), rtol=tolerance, atol=tolerance)
+    fresh = paged_attention(*args, backend="sdpa")  # no `out`: three runs fill a new tensor
+    assert fresh.shape == out.shape and fresh.is_contiguous()
+    torch.testing.assert_close(fresh, out, rtol=0, atol=0)
+    twins = dataclasses.replace(args[2], host_rows=args[2].host_rows[:2],
+                                block_tables=args[2].block_tables[:2], query_start_loc=args[2].query_start_loc[:3],
+                                seq_lens=args[2].seq_lens[:2], query_pos_start=args[2].query_pos_start[:2],
+                                slot_mapping=args[2].slot_mapping[:48], num_tokens=48, max_query_len=24)
+    single = paged_attention(args[0][:48], args[1], twins, backend="sdpa")  # one run over every token: SDPA's own
+    assert single.is_contiguous()
+    torch.testing.assert_close(single, out[:48], rtol=0, atol=0)
 
 
 def test_packed_queries_scale_and_empty_rows():

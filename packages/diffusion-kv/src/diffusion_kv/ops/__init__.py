@@ -112,10 +112,10 @@ def paged_attention(
     checks.check_attention_inputs(query, kv_cache, metadata, out)
     if scale is None:
         scale = query.shape[2] ** -0.5
-    if out is None:
-        out = query.new_empty(query.shape)
     if query.shape[0] == 0:
-        return out
+        return out if out is not None else query.new_empty(query.shape)
+    # The library paths take `out=None` and may then hand back their own result (gather + SDPA: SDPA's output
+    # itself, with no copy); the kernels below write into an `out` allocated here.
     if backend in _ATTENTION_ONLY:
         library = _library_path(backend)
         reason = library.unsupported_reason(query, kv_cache, metadata)
@@ -126,6 +126,8 @@ def paged_attention(
         for library in _library_order(metadata):
             if library.unsupported_reason(query, kv_cache, metadata) is None:
                 return library.paged_attention(query, kv_cache, metadata, scale, out)
+    if out is None:
+        out = query.new_empty(query.shape)
     if _use_triton(backend, query.device.type):
         from diffusion_kv.ops import triton_flash, triton_kernels
 

@@ -239,15 +239,19 @@ def _pick_plan(entry: _Graph, pack: dict, device: torch.device, handle: Any) -> 
 
 
 def paged_attention(
-    query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float, out: Tensor
+    query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float, out: Tensor | None
 ) -> Tensor:
-    """Writes `out` for every row; call only when `unsupported_reason` returned None."""
+    """Attention of every row, into `out` when given (else a new tensor); call only when `unsupported_reason`
+    returned None."""
     rows_host = metadata.host_rows
     assert rows_host is not None, "checked by unsupported_reason"
     num_blocks, _, page, kv_heads, head_size = kv_cache.shape
     heads = query.shape[1]
     max_seq_len = metadata.host_max_seq_len
-    result = out if out.is_contiguous() else torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is not None and out.is_contiguous():
+        result = out
+    else:
+        result = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key = _GraphKey(
         device=query.device.index if query.device.index is not None else torch.cuda.current_device(),
         dtype=query.dtype, rows=metadata.num_rows, heads=heads, kv_heads=kv_heads, head_size=head_size, page=page,
@@ -272,6 +276,8 @@ def paged_attention(
     workspace = torch.empty(max(entry.workspace_bytes, 1), dtype=torch.uint8, device=query.device)
     with torch.cuda.device(query.device):  # the handle's device, whatever device is current
         entry.graph.execute_plan_at_index(pack, workspace, entry.plan_index or 0, handle=handle)
+    if out is None:
+        return result
     if result is not out:
         out.copy_(result)
     return out

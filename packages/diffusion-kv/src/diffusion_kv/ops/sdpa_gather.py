@@ -62,20 +62,45 @@ def gather_kv(kv_cache: Tensor, block_tables: Tensor, seq_len: int) -> tuple[Ten
 
 
 def paged_attention(
-    query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float, out: Tensor
+    query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float, out: Tensor | None
 ) -> Tensor:
-    """Writes `out` for every row; call only when `unsupported_reason` returned None."""
+    """Attention of every row; call only when `unsupported_reason` returned None.
+
+    With `out`, the result is written into it. Without, a batch that is one run over every token returns SDPA's
+    own output as `[tokens, heads, head_size]` (a view when SDPA laid it out token-major, as cuDNN does for
+    token-major queries), so no output copy is made; otherwise a new tensor is filled.
+    """
     rows = metadata.host_rows
     assert rows is not None, "checked by unsupported_reason"
     heads, head_size = query.shape[1:]
-    for first, end in _runs(rows):
-        count, row = end - first, rows[first]
-        tokens = slice(row.query_start, row.query_start + count * row.query_len)
-        keys, values = gather_kv(kv_cache, metadata.block_tables[first:end], row.seq_len)
-        q = query[tokens].reshape(count, row.query_len, heads, head_size).transpose(1, 2)  # a view when packed
-        result = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
-        out[tokens] = result.transpose(1, 2).reshape(-1, heads, head_size)
+    runs = _runs(rows)
+    if out is None:
+        if len(runs) == 1 and _run_covers_all_tokens(rows, runs[0], query.shape[0]):
+            return _attend_run(query, kv_cache, metadata, scale, rows, runs[0]).reshape(-1, heads, head_size)
+        out = query.new_empty(query.shape)
+    for run in runs:
+        first, row = run[0], rows[run[0]]
+        tokens = slice(row.query_start, row.query_start + (run[1] - first) * row.query_len)
+        out[tokens] = _attend_run(query, kv_cache, metadata, scale, rows, run).reshape(-1, heads, head_size)
     return out
+
+
+def _run_covers_all_tokens(rows: tuple[HostRow, ...], run: tuple[int, int], num_tokens: int) -> bool:
+    first, end = run
+    return rows[first].query_start == 0 and (end - first) * rows[first].query_len == num_tokens
+
+
+def _attend_run(query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float,
+                rows: tuple[HostRow, ...], run: tuple[int, int]) -> Tensor:
+    """SDPA over one run of equal rows: `[rows, query_len, heads, head_size]` (a transposed view of SDPA's output)."""
+    heads, head_size = query.shape[1:]
+    first, end = run
+    count, row = end - first, rows[first]
+    tokens = slice(row.query_start, row.query_start + count * row.query_len)
+    keys, values = gather_kv(kv_cache, metadata.block_tables[first:end], row.seq_len)
+    q = query[tokens].reshape(count, row.query_len, heads, head_size).transpose(1, 2)  # a view when packed
+    result = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
+    return result.transpose(1, 2)
 
 
 __all__ = ["gather_kv", "paged_attention", "unsupported_reason"]
