@@ -210,4 +210,17 @@ def _slot_mapping(
     return blocks * block_size + positions % block_size
 
 
-__all__ = ["HostRow", "PagedAttentionMetadata"]
+def unmasked_rows_reason(metadata: PagedAttentionMetadata) -> str | None:
+    """Why a path that needs host row shapes and has no causal-prefix mask cannot run the forward (None: it can).
+
+    The library paths (gather + SDPA, cuDNN paged) decide on host ints and attend every query to all of its
+    row's keys, so they decline metadata without `host_rows` and any query inside its row's causal prefix.
+    """
+    if metadata.host_rows is None:
+        return "the metadata has no host row shapes (build it with PagedAttentionMetadata.build)"
+    if metadata.queries_inside_causal_prefix:
+        return "a query lies inside its row's causal prefix"
+    return None
+
+
+__all__ = ["HostRow", "PagedAttentionMetadata", "unmasked_rows_reason"]

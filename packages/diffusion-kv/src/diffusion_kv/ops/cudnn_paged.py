@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diffusion_kv.ops.attention_metadata import PagedAttentionMetadata
+from diffusion_kv.ops.attention_metadata import PagedAttentionMetadata, unmasked_rows_reason
 
 _DTYPES = (torch.float16, torch.bfloat16)
 MIN_CUDNN_BACKEND = 90500  # paged K/V in cuDNN's SDPA arrived in 9.5.0
@@ -82,11 +82,7 @@ def unsupported_reason(query: Tensor, kv_cache: Tensor, metadata: PagedAttention
         return "query heads are not packed rows [tokens, heads, head_size] (a token stride may be wider)"
     if (query.stride(0) * query.element_size()) % 16 or query.data_ptr() % 16 or kv_cache.data_ptr() % 16:
         return "a query token stride or a base pointer is not 16-byte aligned"
-    if metadata.host_rows is None:
-        return "the metadata has no host row shapes (build it with PagedAttentionMetadata.build)"
-    if metadata.queries_inside_causal_prefix:
-        return "a query lies inside its row's causal prefix"
-    return frontend_missing_reason()
+    return unmasked_rows_reason(metadata) or frontend_missing_reason()
 
 
 @dataclass(frozen=True)
@@ -121,8 +117,12 @@ _handles: dict[int, Any] = {}
 _row_tensors: tuple[weakref.ref, int, dict[str, Tensor]] | None = None
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _handle(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _handles:
         with torch.cuda.device(index):
             _handles[index] = _frontend().create_handle()
@@ -243,17 +243,16 @@ def paged_attention(
 ) -> Tensor:
     """Attention of every row, into `out` when given (else a new tensor); call only when `unsupported_reason`
     returned None."""
-    rows_host = metadata.host_rows
-    assert rows_host is not None, "checked by unsupported_reason"
+    max_seq_len = metadata.host_max_seq_len
+    assert max_seq_len is not None, "host_rows checked by unsupported_reason"
     num_blocks, _, page, kv_heads, head_size = kv_cache.shape
     heads = query.shape[1]
-    max_seq_len = metadata.host_max_seq_len
     if out is not None and out.is_contiguous():
         result = out
     else:
         result = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key = _GraphKey(
-        device=query.device.index if query.device.index is not None else torch.cuda.current_device(),
+        device=_device_index(query.device),
         dtype=query.dtype, rows=metadata.num_rows, heads=heads, kv_heads=kv_heads, head_size=head_size, page=page,
         num_blocks=num_blocks, table_pages=-(-max_seq_len // page), table_row_stride=metadata.block_tables.stride(0),
         max_query_len=metadata.max_query_len, max_seq_len=max_seq_len, scale=float(scale),

@@ -18,22 +18,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from diffusion_kv._validation import cdiv
-from diffusion_kv.ops.attention_metadata import HostRow, PagedAttentionMetadata
+from diffusion_kv.ops.attention_metadata import HostRow, PagedAttentionMetadata, unmasked_rows_reason
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def unsupported_reason(query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata) -> str | None:
     """None when this path computes exactly what the reference does for the call, else the reason it declines."""
-    if metadata.host_rows is None:
-        return "the metadata has no host row shapes (build it with PagedAttentionMetadata.build)"
     if query.shape[1] != kv_cache.shape[3]:
         return f"grouped-query heads ({query.shape[1]} query heads over {kv_cache.shape[3]} kv heads)"
     if kv_cache.dtype not in _DTYPES:
         return f"cache dtype {kv_cache.dtype} (FP8 caches go through diffusion_kv.ops.fp8_attention)"
-    if metadata.queries_inside_causal_prefix:
-        return "a query lies inside its row's causal prefix"
-    return None
+    return unmasked_rows_reason(metadata)
 
 
 def _runs(rows: tuple[HostRow, ...]) -> list[tuple[int, int]]:
@@ -75,19 +71,19 @@ def paged_attention(
     heads, head_size = query.shape[1:]
     runs = _runs(rows)
     if out is None:
-        if len(runs) == 1 and _run_covers_all_tokens(rows, runs[0], query.shape[0]):
+        if len(runs) == 1 and _run_tokens(rows, runs[0]) == slice(0, query.shape[0]):
             return _attend_run(query, kv_cache, metadata, scale, rows, runs[0]).reshape(-1, heads, head_size)
         out = query.new_empty(query.shape)
     for run in runs:
-        first, row = run[0], rows[run[0]]
-        tokens = slice(row.query_start, row.query_start + (run[1] - first) * row.query_len)
-        out[tokens] = _attend_run(query, kv_cache, metadata, scale, rows, run).reshape(-1, heads, head_size)
+        out[_run_tokens(rows, run)] = _attend_run(query, kv_cache, metadata, scale, rows, run).reshape(
+            -1, heads, head_size)
     return out
 
 
-def _run_covers_all_tokens(rows: tuple[HostRow, ...], run: tuple[int, int], num_tokens: int) -> bool:
+def _run_tokens(rows: tuple[HostRow, ...], run: tuple[int, int]) -> slice:
+    """The packed-token span of a run of adjacent equal rows."""
     first, end = run
-    return rows[first].query_start == 0 and (end - first) * rows[first].query_len == num_tokens
+    return slice(rows[first].query_start, rows[first].query_start + (end - first) * rows[first].query_len)
 
 
 def _attend_run(query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float,
@@ -96,7 +92,7 @@ def _attend_run(query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadat
     heads, head_size = query.shape[1:]
     first, end = run
     count, row = end - first, rows[first]
-    tokens = slice(row.query_start, row.query_start + count * row.query_len)
+    tokens = _run_tokens(rows, run)
     keys, values = gather_kv(kv_cache, metadata.block_tables[first:end], row.seq_len)
     q = query[tokens].reshape(count, row.query_len, heads, head_size).transpose(1, 2)  # a view when packed
     result = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
