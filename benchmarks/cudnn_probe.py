@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from paged_attention import Shape  # noqa: E402
+from paged_attention import Shape, sdpa_layout  # noqa: E402
 
 from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
 from diffusion_kv.ops import cudnn_paged, sdpa_gather  # noqa: E402
@@ -63,8 +63,8 @@ def shape_case(seq_len: int, page: int, gen):
     entry = {"S": seq_len, "page": page, "B": batch}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = (t.transpose(1, 2) for t in (shape.q, shape.k, shape.v))
-    qh, kh, vh = (t.contiguous() for t in (q, k, v))
+    q, k, v = sdpa_layout(shape.q, shape.k, shape.v, "token-major")
+    qh, kh, vh = sdpa_layout(shape.q, shape.k, shape.v, "head-major")
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         entry["torch_cudnn_token_major"] = bench(lambda: F.scaled_dot_product_attention(q, k, v))
         entry["torch_cudnn_head_major"] = bench(lambda: F.scaled_dot_product_attention(qh, kh, vh))
@@ -329,7 +329,7 @@ def engines(gen):
     rows = []
     for seq_len, page in ((4096, 64), (16384, 64), (16384, 256)):
         shape = Shape(max(1, 16384 // seq_len), seq_len, page, 24, 128, torch.bfloat16, "cuda", gen)
-        q, k, v = (t.transpose(1, 2) for t in (shape.q, shape.k, shape.v))
+        q, k, v = sdpa_layout(shape.q, shape.k, shape.v, "token-major")
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

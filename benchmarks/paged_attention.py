@@ -78,6 +78,12 @@ def timer_ms(fn, device: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def sdpa_layout(q, k, v, layout: str) -> tuple:
+    """`[B, S, H, D]` Q/K/V as SDPA's `[B, H, S, D]`: transposed views ("token-major") or contiguous copies."""
+    tensors = tuple(t.transpose(1, 2) for t in (q, k, v))
+    return tuple(t.contiguous() for t in tensors) if layout == "head-major" else tensors
+
+
 def sdpa_backends(q, k, v, device: str) -> dict:
     """{backend: {"ms", "layout"} or {"error"}} for every SDPA backend on the best of two layouts."""
     if device != "cuda":
@@ -85,10 +91,7 @@ def sdpa_backends(q, k, v, device: str) -> dict:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), device), "layout": "token-major"}}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    layouts = {
-        "token-major": (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
-        "head-major": tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)),
-    }
+    layouts = {layout: sdpa_layout(q, k, v, layout) for layout in ("token-major", "head-major")}
     results = {}
     batch, seq, heads, _ = q.shape
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -121,8 +124,9 @@ def flash_configs(fp8: bool = False) -> list[dict]:
     return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in source]
 
 
-def config_name(config: dict) -> str:
-    return f"flash[{config['BLOCK_M']}x{config['BLOCK_N']},w{config.get('num_warps', 4)},s{config.get('num_stages', 3)}]"
+def config_name(config: dict, kernel: str = "flash") -> str:
+    return (f"{kernel}[{config['BLOCK_M']}x{config['BLOCK_N']},w{config.get('num_warps', 4)},"
+            f"s{config.get('num_stages', 3)}]")
 
 
 class Shape:
@@ -203,7 +207,7 @@ def fp8_case(shape: Shape, bf16_out: torch.Tensor, configs: list[dict]) -> dict:
     query, q_scale, cache, k_scale, v_scale = shape.fp8_inputs()
     results = {}
     for config in configs:
-        name = config_name(config).replace("flash", "fp8")
+        name = config_name(config, "fp8")
         out = torch.full(shape.query.shape, float("nan"), dtype=torch.bfloat16, device=shape.device)
 
         def call(config=config, out=out):
@@ -230,9 +234,7 @@ def fp8_case(shape: Shape, bf16_out: torch.Tensor, configs: list[dict]) -> dict:
 def sdpa_call(shape: Shape, backend: str, layout: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    tensors = [t.transpose(1, 2) for t in (shape.q, shape.k, shape.v)]
-    if layout == "head-major":
-        tensors = [t.contiguous() for t in tensors]
+    tensors = sdpa_layout(shape.q, shape.k, shape.v, layout)
     chosen = getattr(SDPBackend, backend.upper())
 
     def call():
@@ -254,7 +256,7 @@ def repeated(shape: Shape, entry: dict, best_config: dict | None, repeats: int) 
         calls["best_flash"] = Shape.caller("flash", best_config, args)
     best_fp8 = entry.get("best_fp8")
     if best_fp8 is not None:
-        config = next(c for c in flash_configs(fp8=True) if config_name(c).replace("flash", "fp8") == best_fp8)
+        config = next(c for c in flash_configs(fp8=True) if config_name(c, "fp8") == best_fp8)
         query, q_scale, cache, k_scale, v_scale = shape.fp8_inputs()
         calls["best_fp8"] = lambda: triton_flash.paged_attention_fp8(
             query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=config)
