@@ -140,12 +140,18 @@ class VllmHarness:
         """A cond request and its uncond twin: same length, different tokens, distinct per ``base_id``."""
         salt = sum(map(ord, base_id))
         cond = self.request(
-            base_id, [10 + (salt + i) % 200 for i in range(prompt_len)], max_tokens=max_tokens,
-            extra_args={"cfg_role": "cond"}, **kwargs,
+            base_id,
+            [10 + (salt + i) % 200 for i in range(prompt_len)],
+            max_tokens=max_tokens,
+            extra_args={"cfg_role": "cond"},
+            **kwargs,
         )
         uncond = self.request(
-            f"{base_id}__cfg_uncond", [210 + salt % 40] * prompt_len, max_tokens=max_tokens,
-            extra_args={"cfg_role": "uncond"}, **kwargs,
+            f"{base_id}__cfg_uncond",
+            [210 + salt % 40] * prompt_len,
+            max_tokens=max_tokens,
+            extra_args={"cfg_role": "uncond"},
+            **kwargs,
         )
         return cond, uncond
 

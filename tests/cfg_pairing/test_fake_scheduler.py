@@ -18,9 +18,9 @@ from cfg_pairing import (
     CFGPairingMixin,
     cfg_uncond_suffixes,
     equalize_cfg_pair_progress,
+    pair_ids,
     register_cfg_uncond_suffix,
 )
-from cfg_pairing import pair_ids
 
 
 def paired(cls: type) -> type:

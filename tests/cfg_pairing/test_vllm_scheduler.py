@@ -16,7 +16,6 @@ from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 
-
 def assert_step_locked(record: Any, pairs: list[tuple[str, str]]) -> None:
     """Both members scheduled or neither, admitted in the same step, at the same position."""
     for cond_id, uncond_id in pairs:
@@ -198,8 +197,12 @@ def test_plain_traffic_is_scheduled_exactly_as_without_the_patches(vllm_harness:
         scheduler = vllm_harness.scheduler(patched=patched, num_blocks=24, max_num_batched_tokens=48)
         for index in range(6):
             scheduler.add_request(
-                vllm_harness.request(f"plain-{index}", [5 + index] * (30 + 7 * index), max_tokens=6,
-                                     extra_args={"seed": index} if index % 2 else None)
+                vllm_harness.request(
+                    f"plain-{index}",
+                    [5 + index] * (30 + 7 * index),
+                    max_tokens=6,
+                    extra_args={"seed": index} if index % 2 else None,
+                )
             )
         schedule = []
         while scheduler.has_unfinished_requests():

@@ -155,8 +155,19 @@ def row_metadata(block_tables, rows, page_size, device, causal_prefix_lens=None)
 
 
 def build_paged_rows(
-    rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed, *, device, backend, spare_blocks=2,
-    pad_block=None, causal_prefix_lens=None,
+    rows,
+    num_heads,
+    num_kv_heads,
+    head_size,
+    page_size,
+    dtype,
+    seed,
+    *,
+    device,
+    backend,
+    spare_blocks=2,
+    pad_block=None,
+    causal_prefix_lens=None,
 ):
     """Random packed-QKV rows written into a shuffled pool; returns the op arguments and dense K/V per row.
 
@@ -173,7 +184,7 @@ def build_paged_rows(
     kv_cache = torch.zeros(len(perm), 2, page_size, num_kv_heads, head_size, dtype=dtype, device=device)
     width = max(blocks) + 1
     tables, queries, dense, cursor = [], [], [], 0
-    for (start, n), seq_len, nb in zip(rows, seq_lens, blocks):
+    for (start, _n), seq_len, nb in zip(rows, seq_lens, blocks, strict=True):
         ids = perm[cursor : cursor + nb]
         cursor += nb
         tables.append(ids + [pad] * (width - nb))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from kv_builders import BLOCK_SIZE, build_allocator, native_kv_cache_config, pool_config
 
 from diffusion_kv import BlockAllocator, BlockPoolConfig, BuiltinBlockPool, DiffusionKVRequest
 from diffusion_kv.allocator import build_block_allocator
-from kv_builders import BLOCK_SIZE, build_allocator, native_kv_cache_config, pool_config
 
 
 def _row(request_id: str, num_tokens: int) -> DiffusionKVRequest:

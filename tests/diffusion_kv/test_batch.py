@@ -18,15 +18,24 @@ AR_DECODE = AttentionCacheSpec("ar.attn", "ar_decode", 2, 64, torch.float16)
 
 
 def seed_table():
-    return WorkerRowTable(num_rows=4, max_rows_per_request=2, num_blocks=4, block_size=16, max_model_len=32,
-                          registered_roles={"primary", "ar_decode"}, device=DEVICE)
+    return WorkerRowTable(
+        num_rows=4,
+        max_rows_per_request=2,
+        num_blocks=4,
+        block_size=16,
+        max_model_len=32,
+        registered_roles={"primary", "ar_decode"},
+        device=DEVICE,
+    )
 
 
 def sdpa(q, k, v, mask=None):
     group = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.repeat_interleave(group, 1).transpose(0, 1).float(),
-        v.repeat_interleave(group, 1).transpose(0, 1).float(), attn_mask=mask,
+        q.transpose(0, 1).float(),
+        k.repeat_interleave(group, 1).transpose(0, 1).float(),
+        v.repeat_interleave(group, 1).transpose(0, 1).float(),
+        attn_mask=mask,
     ).transpose(0, 1)
 
 
@@ -39,10 +48,14 @@ def test_seed_case_through_row_table_and_batches(role):
         t.install(DiffusionKVMetadata("req", 1, (DiffusionKVSequenceMetadata(0, 17, 2, 19, ([3, 1],)),)))
     else:
         identity, layer = RowIdentity("req", context_id="ar"), AR_DECODE
-        t.install(DiffusionKVMetadata(
-            "req", 1, (DiffusionKVSequenceMetadata(0, 0, 4, 4, ([0],), context_ids=("ar",)),),
-            (DiffusionKVContextMetadata("ar", "ar_decode", 19, ([3, 1],)),),
-        ))
+        t.install(
+            DiffusionKVMetadata(
+                "req",
+                1,
+                (DiffusionKVSequenceMetadata(0, 0, 4, 4, ([0],), context_ids=("ar",)),),
+                (DiffusionKVContextMetadata("ar", "ar_decode", 19, ([3, 1],)),),
+            )
+        )
     caches = allocate_kv_caches({"blocks.0.attn": PRIMARY, "ar.attn": AR_DECODE}, 4, 16, device=DEVICE)
     cache = caches[layer.layer_name]
     gen = torch.Generator().manual_seed(11)
@@ -67,13 +80,21 @@ def test_seed_case_through_row_table_and_batches(role):
 def test_ragged_rows_of_two_requests_with_causal_prefix():
     """Two CFG rows of one request plus a row of another, at different denoise spans, GQA 4:2."""
     layer = AttentionCacheSpec("attn", "primary", 2, 32, torch.float16)
-    t = WorkerRowTable(num_rows=4, max_rows_per_request=2, num_blocks=16, block_size=8, max_model_len=40,
-                       registered_roles={"primary"}, device=DEVICE)
+    t = WorkerRowTable(
+        num_rows=4,
+        max_rows_per_request=2,
+        num_blocks=16,
+        block_size=8,
+        max_model_len=40,
+        registered_roles={"primary"},
+        device=DEVICE,
+    )
     shapes = {("a", 0): (6, 14, [9, 2, 14]), ("a", 1): (3, 13, [0, 7]), ("b", 0): (10, 20, [5, 11, 1, 3])}
     for request_id in ("a", "b"):
         sequences = tuple(
             DiffusionKVSequenceMetadata(sid, prefix, target, prefix + target, (blocks,))
-            for (rid, sid), (prefix, target, blocks) in shapes.items() if rid == request_id
+            for (rid, sid), (prefix, target, blocks) in shapes.items()
+            if rid == request_id
         )
         t.install(DiffusionKVMetadata(request_id, 3, sequences))
     cache = allocate_kv_caches({"attn": layer}, 16, 8, device=DEVICE)["attn"]
@@ -88,27 +109,38 @@ def test_ragged_rows_of_two_requests_with_causal_prefix():
     rows = [BatchRow.prefix(RowIdentity(rid, sequence_id=sid), prefix) for (rid, sid), (prefix, _, _) in shapes.items()]
     batch = prepare_batch(t, rows)
     cat = lambda i, span: torch.cat([dense[key][i][span(key)] for key in shapes])  # noqa: E731
-    batch.attention(layer, cat(0, lambda key: slice(0, shapes[key][0])), cat(1, lambda key: slice(0, shapes[key][0])),
-                    cat(2, lambda key: slice(0, shapes[key][0])), cache)
+    batch.attention(
+        layer,
+        cat(0, lambda key: slice(0, shapes[key][0])),
+        cat(1, lambda key: slice(0, shapes[key][0])),
+        cat(2, lambda key: slice(0, shapes[key][0])),
+        cache,
+    )
     # A denoise step: target queries write their span and attend to everything.
-    rows = [BatchRow.target(RowIdentity(rid, sequence_id=sid), prefix, target)
-            for (rid, sid), (prefix, target, _) in shapes.items()]
+    rows = [
+        BatchRow.target(RowIdentity(rid, sequence_id=sid), prefix, target)
+        for (rid, sid), (prefix, target, _) in shapes.items()
+    ]
     batch = prepare_batch(t, rows, max_num_batched_tokens=48)
     assert batch.metadata.causal_prefix_lens is None
     assert batch.metadata.block_tables.tolist() == [[9, 2, 14, 0, 0], [0, 7, 0, 0, 0], [5, 11, 1, 3, 0]]
     assert batch.metadata.slot_mapping[:3].tolist() == [78, 79, 16]  # row a/0 writes positions 6.. of [9, 2, 14]
     target_span = lambda key: slice(shapes[key][0], None)  # noqa: E731
     out = batch.attention(layer, cat(0, target_span), cat(1, target_span), cat(2, target_span), cache)
-    expected = torch.cat([sdpa(q[shapes[key][0]:], k, v) for key, (q, k, v) in dense.items()])
+    expected = torch.cat([sdpa(q[shapes[key][0] :], k, v) for key, (q, k, v) in dense.items()])
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def installed_pair():
     t = seed_table()
-    t.install(DiffusionKVMetadata(
-        "req", 1, (DiffusionKVSequenceMetadata(0, 0, 16, 16, ([0],), context_ids=("ar",)),),
-        (DiffusionKVContextMetadata("ar", "ar_decode", 19, ([3, 1],)),),
-    ))
+    t.install(
+        DiffusionKVMetadata(
+            "req",
+            1,
+            (DiffusionKVSequenceMetadata(0, 0, 16, 16, ([0],), context_ids=("ar",)),),
+            (DiffusionKVContextMetadata("ar", "ar_decode", 19, ([3, 1],)),),
+        )
+    )
     return t, RowIdentity("req", sequence_id=0), RowIdentity("req", context_id="ar")
 
 
@@ -148,11 +180,14 @@ def test_layer_of_another_role_and_stale_batches_are_rejected():
     caches = allocate_kv_caches({"blocks.0.attn": PRIMARY, "ar.attn": AR_DECODE}, 4, 16, device=DEVICE)
     batch = prepare_batch(t, [BatchRow(seq_id, query_len=2, seq_len=2)])
     x = torch.zeros(2, 2, 64, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(ValueError, match="layer 'ar.attn' uses cache role 'ar_decode', but the active rows use 'primary'"):
+    with pytest.raises(
+        ValueError, match="layer 'ar.attn' uses cache role 'ar_decode', but the active rows use 'primary'"
+    ):
         batch.attention(AR_DECODE, x, x, x, caches["ar.attn"])
     with pytest.raises(ValueError, match=r"query of shape \(3, 2, 64\) is not \[2, heads, 64\]"):
-        batch.attention(PRIMARY, torch.zeros(3, 2, 64, dtype=torch.float16, device=DEVICE), x, x,
-                        caches["blocks.0.attn"])
+        batch.attention(
+            PRIMARY, torch.zeros(3, 2, 64, dtype=torch.float16, device=DEVICE), x, x, caches["blocks.0.attn"]
+        )
     t.remove(["req"])
     with pytest.raises(RuntimeError, match="batch is stale"):
         batch.attention(PRIMARY, x, x, x, caches["blocks.0.attn"])
@@ -162,11 +197,24 @@ def test_layer_of_another_role_and_stale_batches_are_rejected():
 def test_output_keeps_the_callers_token_layout():
     """[T, H, D], [T, H*D] and uniform batched [R, q, H*D] inputs give the same attention, in their own layout."""
     layer = AttentionCacheSpec("attn", "primary", 2, 16, torch.float32)
-    t = WorkerRowTable(num_rows=2, max_rows_per_request=2, num_blocks=8, block_size=4, max_model_len=12,
-                       registered_roles={"primary"}, device=DEVICE)
-    t.install(DiffusionKVMetadata("r", 1, tuple(
-        DiffusionKVSequenceMetadata(s, 0, 10, 10, (blocks,)) for s, blocks in ((0, [1, 4, 6]), (1, [7, 0, 2]))
-    )))
+    t = WorkerRowTable(
+        num_rows=2,
+        max_rows_per_request=2,
+        num_blocks=8,
+        block_size=4,
+        max_model_len=12,
+        registered_roles={"primary"},
+        device=DEVICE,
+    )
+    t.install(
+        DiffusionKVMetadata(
+            "r",
+            1,
+            tuple(
+                DiffusionKVSequenceMetadata(s, 0, 10, 10, (blocks,)) for s, blocks in ((0, [1, 4, 6]), (1, [7, 0, 2]))
+            ),
+        )
+    )
     rows = [BatchRow(RowIdentity("r", sequence_id=s), query_len=10, seq_len=10) for s in range(2)]
     gen = torch.Generator().manual_seed(13)
     qkv = torch.randn(2, 10, 4 * 16 + 2 * 2 * 16, generator=gen).to(DEVICE)
@@ -181,7 +229,8 @@ def test_output_keeps_the_callers_token_layout():
         out = prepare_batch(t, rows).attention(layer, view(q), view(k), view(v), cache)
         assert out.shape == view(q).shape
         results.append(out.reshape(20, 4, 16))
-    expected = torch.cat([sdpa(q[i].unflatten(1, (4, 16)), k[i].unflatten(1, (2, 16)), v[i].unflatten(1, (2, 16)))
-                          for i in range(2)])
+    expected = torch.cat(
+        [sdpa(q[i].unflatten(1, (4, 16)), k[i].unflatten(1, (2, 16)), v[i].unflatten(1, (2, 16))) for i in range(2)]
+    )
     for out in results:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

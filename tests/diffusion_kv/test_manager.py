@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from kv_builders import BLOCK_SIZE, DelegatingAllocator, build_allocator, cfg_rows, native_kv_cache_config, pool_config
 
 from diffusion_kv import (
     BlockPoolConfig,
@@ -15,7 +16,6 @@ from diffusion_kv import (
     DiffusionKVRequest,
     sequence_request_id,
 )
-from kv_builders import BLOCK_SIZE, DelegatingAllocator, build_allocator, cfg_rows, native_kv_cache_config, pool_config
 
 
 @pytest.fixture
@@ -73,7 +73,11 @@ def test_default_allocator_is_the_real_native_manager_when_vllm_is_importable():
     assert isinstance(manager.native_manager, KVCacheManager)
     assert manager.native_manager.enable_caching is False
     builtin = DiffusionKVCacheManager(
-        BlockPoolConfig(8, 4), max_model_len=64, scheduler_block_size=4, hash_block_size=4, max_rows_per_request=2,
+        BlockPoolConfig(8, 4),
+        max_model_len=64,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        max_rows_per_request=2,
         allocator="builtin",
     )
     assert builtin.native_manager is None
@@ -148,6 +152,22 @@ def test_empty_pool_bound_counts_context_blocks(make_manager):
     with pytest.raises(DiffusionKVAdmissionError, match="required_blocks=5, available_blocks=4"):
         manager.reserve_request("ctx", _seqs("ctx", 1, contexts=(text,)))
     _assert_empty(manager)
+
+
+def test_blocks_required_is_what_a_reservation_takes_and_touches_nothing(make_manager):
+    manager = make_manager(16, wrap=Spy)
+    text = DiffusionKVContext("text", "cross.text", 12)  # 3 blocks, shared by both rows
+    rows = _seqs("pub", 2, contexts=(text,))  # 2 + 2 blocks
+    assert manager.blocks_required("pub", rows) == 7
+    assert manager.allocator.allocate_calls == 0
+    _assert_empty(manager)
+    free = manager.get_num_free_blocks()
+    assert manager.reserve_request("pub", rows) is not None
+    assert free - manager.get_num_free_blocks() == 7
+    with pytest.raises(DiffusionKVAdmissionError, match="'pub' is already allocated"):
+        manager.blocks_required("pub", rows)
+    with pytest.raises(DiffusionKVAdmissionError, match="required_blocks=16, available_blocks=15"):
+        manager.blocks_required("big", _seqs("big", 1, seq_len=64))
 
 
 def test_temporary_capacity_pressure_returns_none_then_retries(make_manager):
@@ -351,8 +371,14 @@ def test_shared_context_is_allocated_once_for_multiple_sequences(make_manager):
 
 def _four_token_row(sequence_id: int, *contexts: DiffusionKVContext) -> DiffusionKVRequest:
     """CFG row `sequence_id` of request "pub": 4 target tokens referencing `contexts` in that order."""
-    return DiffusionKVRequest(sequence_request_id("pub", sequence_id), sequence_id=sequence_id, prefix_len=0,
-                              target_len=4, seq_len=4, kv_contexts=contexts)
+    return DiffusionKVRequest(
+        sequence_request_id("pub", sequence_id),
+        sequence_id=sequence_id,
+        prefix_len=0,
+        target_len=4,
+        seq_len=4,
+        kv_contexts=contexts,
+    )
 
 
 def test_sequences_keep_their_declared_context_order(make_manager):

@@ -10,11 +10,7 @@ import torch
 from diffusion_kv import BlockPoolConfig, DiffusionKVCacheManager, DiffusionKVContext, DiffusionKVRequest
 from diffusion_kv.batch import BatchRow, prepare_batch
 from diffusion_kv.cache import allocate_kv_caches, kv_cache_bytes
-from diffusion_kv.sizing import (
-    build_kv_cache_configs,
-    determine_available_kv_memory,
-    requested_device_memory,
-)
+from diffusion_kv.sizing import kv_cache_bytes_per_block, requested_device_memory, size_kv_pool
 from diffusion_kv.specs import AttentionCacheSpec
 from diffusion_kv.worker import RowIdentity, WorkerRowTable
 
@@ -30,17 +26,36 @@ SPECS = {
 def cfg_requests(public_id, prefix, target, with_context):
     contexts = (DiffusionKVContext("ar", "ar_decode", 12),) if with_context else ()
     return [
-        DiffusionKVRequest(f"{public_id}/diffusion-kv/{sid}", sequence_id=sid, prefix_len=prefix, target_len=target,
-                           seq_len=prefix + target, kv_contexts=contexts)
+        DiffusionKVRequest(
+            f"{public_id}/diffusion-kv/{sid}",
+            sequence_id=sid,
+            prefix_len=prefix,
+            target_len=target,
+            seq_len=prefix + target,
+            kv_contexts=contexts,
+        )
         for sid in range(2)
     ]
 
 
 def test_pool_returns_to_baseline_after_install_retire_cycles():
-    manager = DiffusionKVCacheManager(BlockPoolConfig(40, BLOCK), max_model_len=64, scheduler_block_size=BLOCK,
-                                      hash_block_size=BLOCK, max_rows_per_request=3, allocator="builtin")
-    table = WorkerRowTable(num_rows=6, max_rows_per_request=3, num_blocks=40, block_size=BLOCK, max_model_len=64,
-                           registered_roles={"primary", "ar_decode"}, device=DEVICE)
+    manager = DiffusionKVCacheManager(
+        BlockPoolConfig(40, BLOCK),
+        max_model_len=64,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        max_rows_per_request=3,
+        allocator="builtin",
+    )
+    table = WorkerRowTable(
+        num_rows=6,
+        max_rows_per_request=3,
+        num_blocks=40,
+        block_size=BLOCK,
+        max_model_len=64,
+        registered_roles={"primary", "ar_decode"},
+        device=DEVICE,
+    )
     caches = allocate_kv_caches(SPECS, 40, BLOCK, device=DEVICE)
     free_blocks, free_rows = manager.get_num_free_blocks(), table.num_free_rows
     rng = random.Random(0)
@@ -62,8 +77,15 @@ def test_pool_returns_to_baseline_after_install_retire_cycles():
         assert table.install(metadata)
         live[public_id] = metadata.allocation_generation
         # One prefix forward over both CFG rows, as a model would run it.
-        rows = [BatchRow(RowIdentity(public_id, sequence_id=s), query_len=prefix + target, seq_len=prefix + target,
-                         causal_prefix_len=prefix) for s in range(2)]
+        rows = [
+            BatchRow(
+                RowIdentity(public_id, sequence_id=s),
+                query_len=prefix + target,
+                seq_len=prefix + target,
+                causal_prefix_len=prefix,
+            )
+            for s in range(2)
+        ]
         batch = prepare_batch(table, rows)
         x = torch.randn(batch.metadata.num_tokens, 2, 32, dtype=torch.float16, device=DEVICE)
         batch.attention(SPECS["blocks.0.attn"], x, x, x, caches["blocks.0.attn"])
@@ -82,15 +104,28 @@ def test_pool_returns_to_baseline_after_install_retire_cycles():
         assert torch.cuda.memory_allocated() <= device_baseline
 
 
-@pytest.mark.skipif(not CUDA, reason="profiling device memory needs CUDA (the arithmetic is covered in test_sizing)")
+def _size_profiled(requested: int, profile_forward) -> object:
+    return size_kv_pool(
+        SPECS,
+        block_size=64,
+        max_row_tokens=4096,
+        max_model_len=-1,
+        requested_memory=requested,
+        profile_forward=profile_forward,
+        device="cuda",
+    )
+
+
+@pytest.mark.skipif(not CUDA, reason="profiling device memory needs CUDA (on CPU the budget is explicit)")
 def test_profile_that_leaves_no_room_fails_with_the_numbers():
     requested = requested_device_memory("cuda", 0.001)  # ~0.1% of the card: less than the CUDA context alone
 
     def profile_forward():
         torch.empty(requested, dtype=torch.uint8, device="cuda").fill_(1)
+        return 0
 
     with pytest.raises(RuntimeError) as excinfo:
-        determine_available_kv_memory(profile_forward, device="cuda", requested_memory=requested)
+        _size_profiled(requested, profile_forward)
     message = str(excinfo.value)
     assert message.startswith("No memory remains for Diffusion KV cache after profiling: ")
     assert f"requested_memory={requested} bytes, non_kv_cache_memory=" in message
@@ -106,10 +141,33 @@ def test_profiled_headroom_sizes_a_pool_that_fits():
     def profile_forward():
         activations = torch.randn(8192, 4096, device="cuda", dtype=torch.float16)
         (activations @ weights).sum().item()
+        return 0
 
-    budget = determine_available_kv_memory(profile_forward, device="cuda", requested_memory=requested)
+    sizing = _size_profiled(requested, profile_forward)
+    assert sizing.source.startswith(f"profiled: requested_memory={requested} - non_kv_memory=")
     weights_and_peak_activations = weights.nbytes + 2 * 8192 * 4096 * 2  # activations and their product
-    assert 0 < budget <= requested - weights_and_peak_activations
-    configs = build_kv_cache_configs([SPECS], [budget], block_size=64, max_model_len=-1, use_vllm=False)
-    caches = allocate_kv_caches(SPECS, configs.num_blocks, 64, device="cuda")
-    assert kv_cache_bytes(caches) <= budget
+    assert 0 < sizing.num_blocks * sizing.bytes_per_block <= requested - weights_and_peak_activations
+    caches = allocate_kv_caches(SPECS, sizing.num_blocks, 64, device="cuda")
+    assert kv_cache_bytes(caches) == sizing.num_blocks * sizing.bytes_per_block
+
+
+@pytest.mark.skipif(not CUDA, reason="profiling device memory needs CUDA")
+def test_the_profiles_own_kv_pool_is_not_counted_as_non_kv_memory():
+    requested = requested_device_memory("cuda", 0.1)
+    weights = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+    profile_blocks = (256 << 20) // kv_cache_bytes_per_block(SPECS, 64)  # a 256 MiB profile pool
+
+    def forward():
+        activations = torch.randn(4096, 2048, device="cuda", dtype=torch.float16)
+        (activations @ weights).sum().item()
+
+    def forward_over_a_profile_pool():
+        caches = allocate_kv_caches(SPECS, profile_blocks, 64, device="cuda")
+        forward()
+        del caches  # released before returning, as an engine drops its profile pool
+        return profile_blocks
+
+    without_pool = _size_profiled(requested, lambda: forward() or 0)
+    with_pool = _size_profiled(requested, forward_over_a_profile_pool)
+    # Counted as non-KV, the pool would take all of its 256 MiB off the budget.
+    assert abs(with_pool.num_blocks - without_pool.num_blocks) <= profile_blocks // 100

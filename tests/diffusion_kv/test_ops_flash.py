@@ -18,9 +18,10 @@ if not ON_CUDA:
 
 triton_flash = pytest.importorskip("diffusion_kv.ops.triton_flash")
 
+from kv_builders import as_i32, build_paged_rows, row_metadata, sdpa_row  # noqa: E402
+
 from diffusion_kv import PagedAttentionMetadata  # noqa: E402
 from diffusion_kv.ops import fp8_attention  # noqa: E402
-from kv_builders import as_i32, build_paged_rows, row_metadata, sdpa_row  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -38,17 +39,21 @@ def _flash(args, *, scale):
     return triton_flash.paged_attention(query, kv_cache, metadata, scale, out)
 
 
-@pytest.mark.parametrize("page_mult,num_heads,num_kv_heads,dtype", [
-    (1, 4, 4, torch.float16),
-    (2, 6, 2, torch.bfloat16),  # GQA, a page of two key tiles
-    (3, 4, 1, torch.float16),   # a page of three key tiles, one kv head
-])
+@pytest.mark.parametrize(
+    "page_mult,num_heads,num_kv_heads,dtype",
+    [
+        (1, 4, 4, torch.float16),
+        (2, 6, 2, torch.bfloat16),  # GQA, a page of two key tiles
+        (3, 4, 1, torch.float16),  # a page of three key tiles, one kv head
+    ],
+)
 def test_ragged_rows_match_sdpa(page_mult, num_heads, num_kv_heads, dtype):
     rows = [(0, 3 * PAGE + 5), (PAGE + 3, 20), (7, 2 * PAGE)]
-    args, queries, dense = build_paged_rows(rows, num_heads, num_kv_heads, HEAD, PAGE * page_mult, dtype, seed=4,
-                                            device=DEVICE, backend="torch")
-    out = _flash(args, scale=HEAD ** -0.5)
-    expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
+    args, queries, dense = build_paged_rows(
+        rows, num_heads, num_kv_heads, HEAD, PAGE * page_mult, dtype, seed=4, device=DEVICE, backend="torch"
+    )
+    out = _flash(args, scale=HEAD**-0.5)
+    expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense, strict=True)])
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
@@ -56,11 +61,12 @@ def test_causal_prefix_matches_sdpa():
     """Row 0 spans prefix and target queries; row 1 holds only prefix queries; row 2 only target queries."""
     rows = [(0, 2 * PAGE + 9), (3, PAGE), (PAGE + 1, 17)]
     prefix_lens = [PAGE + 5, 2 * PAGE, 9]
-    args, queries, dense = build_paged_rows(rows, 4, 2, HEAD, PAGE, torch.float16, seed=5, device=DEVICE,
-                                            backend="torch", causal_prefix_lens=prefix_lens)
+    args, queries, dense = build_paged_rows(
+        rows, 4, 2, HEAD, PAGE, torch.float16, seed=5, device=DEVICE, backend="torch", causal_prefix_lens=prefix_lens
+    )
     out = _flash(args, scale=0.2)
     expected = []
-    for (start, n), prefix, q, (k, v) in zip(rows, prefix_lens, queries, dense):
+    for (start, n), prefix, q, (k, v) in zip(rows, prefix_lens, queries, dense, strict=True):
         pos = torch.arange(start, start + n)[:, None]
         keys = torch.arange(k.shape[0])[None, :]
         expected.append(sdpa_row(q, k, v, mask=((pos >= prefix) | (keys <= pos)).to(DEVICE), scale=0.2))
@@ -70,12 +76,13 @@ def test_causal_prefix_matches_sdpa():
 def test_nan_in_unwritten_slots_never_reaches_the_output():
     """Slots past seq_len in the last page hold NaN: the masked tail tile must not read them into a dot."""
     rows = [(0, PAGE + 3)]
-    args, queries, dense = build_paged_rows(rows, 2, 2, HEAD, PAGE, torch.float16, seed=6, device=DEVICE,
-                                            backend="torch")
+    args, queries, dense = build_paged_rows(
+        rows, 2, 2, HEAD, PAGE, torch.float16, seed=6, device=DEVICE, backend="torch"
+    )
     cache, tables = args[1], args[2].block_tables
     last = int(tables[0, 1])
     cache[last, :, 3:] = float("nan")
-    out = _flash(args, scale=HEAD ** -0.5)
+    out = _flash(args, scale=HEAD**-0.5)
     torch.testing.assert_close(out.float(), sdpa_row(queries[0], *dense[0]), rtol=2e-2, atol=2e-2)
 
 
@@ -84,8 +91,9 @@ def test_unsupported_calls_say_why():
     cache = torch.zeros(2, 2, PAGE, 2, HEAD, dtype=torch.float16, device=DEVICE)
     assert triton_flash.supported(query, cache) is None
     assert "dtype" in triton_flash.supported(query.float(), cache.float())
-    assert "page size" in triton_flash.supported(query, torch.zeros(2, 2, PAGE + 8, 2, HEAD, dtype=torch.float16,
-                                                                    device=DEVICE))
+    assert "page size" in triton_flash.supported(
+        query, torch.zeros(2, 2, PAGE + 8, 2, HEAD, dtype=torch.float16, device=DEVICE)
+    )
     assert "head_size" in triton_flash.supported(query[..., :24], cache[..., :24])
     spread = torch.zeros(4, 4, HEAD, dtype=torch.float16, device=DEVICE)[:, ::2]  # heads 2 * HEAD apart
     assert "query heads" in triton_flash.supported(spread, cache)
@@ -102,28 +110,31 @@ def test_the_public_op_runs_the_hopper_kernel_where_it_applies(monkeypatch):
     calls = []
     for module in (triton_flash, triton_kernels):
         launch = module.paged_attention
-        monkeypatch.setattr(module, "paged_attention",
-                            lambda *a, _launch=launch, _name=module.__name__, **k: calls.append(_name) or _launch(*a, **k))
+        monkeypatch.setattr(
+            module,
+            "paged_attention",
+            lambda *a, _launch=launch, _name=module.__name__, **k: calls.append(_name) or _launch(*a, **k),
+        )
     rows = [(0, PAGE + 9), (5, 17)]
     for dtype, kernel in ((torch.float16, "triton_flash"), (torch.float32, "triton_kernels")):
-        args, queries, dense = build_paged_rows(rows, 4, 2, HEAD, PAGE, dtype, seed=10, device=DEVICE,
-                                                backend="torch")
+        args, queries, dense = build_paged_rows(rows, 4, 2, HEAD, PAGE, dtype, seed=10, device=DEVICE, backend="torch")
         out = paged_attention(*args, backend="triton")
         assert calls.pop().endswith(kernel) and not calls
-        expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
+        expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense, strict=True)])
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def _fp8_rows(rows, num_heads, num_kv_heads, seed):
-    args, queries, dense = build_paged_rows(rows, num_heads, num_kv_heads, HEAD, PAGE, torch.bfloat16, seed=seed,
-                                            device=DEVICE, backend="torch")
+    args, queries, dense = build_paged_rows(
+        rows, num_heads, num_kv_heads, HEAD, PAGE, torch.bfloat16, seed=seed, device=DEVICE, backend="torch"
+    )
     query, cache, metadata = args
     keys = torch.cat([k for k, _ in dense])
     values = torch.cat([v for _, v in dense])
     k_scale, v_scale = fp8_attention.per_head_scales(keys), fp8_attention.per_head_scales(values)
     q_scale = fp8_attention.per_head_scales(query)
     fp8_cache = torch.zeros(cache.shape, dtype=fp8_attention.FP8_DTYPE, device=DEVICE)
-    for row, ((start, n), (k, v)) in enumerate(zip(rows, dense)):
+    for row, ((start, n), (k, v)) in enumerate(zip(rows, dense, strict=True)):
         whole_row = row_metadata([metadata.block_tables[row].tolist()], [(0, start + n)], PAGE, DEVICE)
         fp8_attention.write_kv_cache_fp8(k, v, fp8_cache, whole_row, k_scale, v_scale, backend="torch")
     q8 = fp8_attention.quantize_per_head(query, q_scale)
@@ -135,7 +146,7 @@ def test_fp8_attention_matches_its_reference_and_stays_near_bf16():
     args, queries, dense = _fp8_rows(rows, 4, 2, seed=7)
     got = fp8_attention.paged_attention_fp8(*args, backend="triton")
     ref = fp8_attention.paged_attention_fp8(*args, backend="torch")
-    exact = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
+    exact = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense, strict=True)])
     assert got.dtype == torch.bfloat16 and not got.isnan().any()
     # The kernel rounds the probabilities to e4m3 as well; the reference does not.
     assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
@@ -148,12 +159,19 @@ def test_fp8_cache_write_kernel_matches_the_reference_on_exact_values():
     grid = torch.arange(256, dtype=torch.uint8).view(fp8_attention.FP8_DTYPE).float()
     grid = grid[torch.isfinite(grid)]
     scales = torch.tensor([0.5, 2.0], device=DEVICE)
-    k = (grid[torch.randint(len(grid), (9, 2, HEAD), generator=gen)].to(DEVICE) * scales.view(1, 2, 1))
-    v = (grid[torch.randint(len(grid), (9, 2, HEAD), generator=gen)].to(DEVICE) * scales.view(1, 2, 1))
+    k = grid[torch.randint(len(grid), (9, 2, HEAD), generator=gen)].to(DEVICE) * scales.view(1, 2, 1)
+    v = grid[torch.randint(len(grid), (9, 2, HEAD), generator=gen)].to(DEVICE) * scales.view(1, 2, 1)
     slots = torch.tensor([0, 1, PAGE + 2, -1, 3, 2 * PAGE - 1, 5, PAGE, 7], device=DEVICE)
     metadata = PagedAttentionMetadata(  # the plain constructor takes the slot mapping as given
-        block_tables=i32([[0, 1]]), query_start_loc=i32([0, 9]), seq_lens=i32([2 * PAGE]), query_pos_start=i32([0]),
-        slot_mapping=slots, causal_prefix_lens=None, block_size=PAGE, num_tokens=9, max_query_len=9,
+        block_tables=i32([[0, 1]]),
+        query_start_loc=i32([0, 9]),
+        seq_lens=i32([2 * PAGE]),
+        query_pos_start=i32([0]),
+        slot_mapping=slots,
+        causal_prefix_lens=None,
+        block_size=PAGE,
+        num_tokens=9,
+        max_query_len=9,
     )
     caches = []
     for backend in ("triton", "torch"):

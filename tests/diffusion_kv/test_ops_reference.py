@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_builders import as_i32, build_paged_rows, packed_qkv, row_metadata, sdpa_row
 
 from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache
-from kv_builders import as_i32, build_paged_rows, packed_qkv, row_metadata, sdpa_row
 
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() else [])
 DEVICE = {"torch": "cpu", "triton": "cuda"}
@@ -48,7 +48,7 @@ def test_ragged_rows_match_sdpa(backend, num_heads, num_kv_heads, dtype):
     args, queries, dense = build_paged_rows(
         rows, num_heads, num_kv_heads, 32, 8, dtype, seed=1, device=device, backend=backend, spare_blocks=3, pad_block=0
     )
-    expected = [sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)]
+    expected = [sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense, strict=True)]
     out = torch.full(args[0].shape, float("nan"), dtype=dtype, device=device)
     result = paged_attention(*args, out=out, backend=backend)
     assert result is out
@@ -72,8 +72,9 @@ def test_causal_prefix_mask_and_scale(backend):
     ref = sdpa_row(q, k, v, mask=allowed.to(device), scale=0.3)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # The mask matters: the same call without it differs for the prefix queries only.
-    plain = paged_attention(q, kv_cache, row_metadata([ids], [(0, total)], block_size, device), scale=0.3,
-                            backend=backend)
+    plain = paged_attention(
+        q, kv_cache, row_metadata([ids], [(0, total)], block_size, device), scale=0.3, backend=backend
+    )
     assert not torch.allclose(plain[: prefix - 1], out[: prefix - 1], atol=1e-3)
     torch.testing.assert_close(plain[prefix:], out[prefix:], rtol=1e-5, atol=1e-5)
 
@@ -91,9 +92,15 @@ def _slots(slot_mapping) -> PagedAttentionMetadata:
     slots = torch.tensor(slot_mapping, dtype=torch.int64)
     n = slots.shape[0]
     return PagedAttentionMetadata(
-        block_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc=as_i32([0, n], "cpu"),
-        seq_lens=as_i32([n], "cpu"), query_pos_start=as_i32([0], "cpu"), slot_mapping=slots,
-        causal_prefix_lens=None, block_size=4, num_tokens=n, max_query_len=n,
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        query_start_loc=as_i32([0, n], "cpu"),
+        seq_lens=as_i32([n], "cpu"),
+        query_pos_start=as_i32([0], "cpu"),
+        slot_mapping=slots,
+        causal_prefix_lens=None,
+        block_size=4,
+        num_tokens=n,
+        max_query_len=n,
     )
 
 

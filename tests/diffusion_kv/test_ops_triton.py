@@ -19,8 +19,9 @@ if not ON_CUDA:
 
 triton_kernels = pytest.importorskip("diffusion_kv.ops.triton_kernels")
 
-from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
 from kv_builders import as_i32, build_paged_rows, packed_qkv, row_metadata, sdpa_row  # noqa: E402
+
+from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -41,8 +42,15 @@ def test_write_kernel_matches_reference_on_packed_views():
     _, k, v = packed_qkv(9, 2, 2, 24, torch.float16, DEVICE, gen)
     slots = torch.tensor([5, 6, -1, 0, 31, 12, -1, 7, 20], device=DEVICE)
     metadata = PagedAttentionMetadata(
-        block_tables=i32([[0]]), query_start_loc=i32([0, 9]), seq_lens=i32([9]), query_pos_start=i32([0]),
-        slot_mapping=slots, causal_prefix_lens=None, block_size=8, num_tokens=9, max_query_len=9,
+        block_tables=i32([[0]]),
+        query_start_loc=i32([0, 9]),
+        seq_lens=i32([9]),
+        query_pos_start=i32([0]),
+        slot_mapping=slots,
+        causal_prefix_lens=None,
+        block_size=8,
+        num_tokens=9,
+        max_query_len=9,
     )
     caches = []
     for backend in ("triton", "torch"):
@@ -91,7 +99,7 @@ def test_ragged_batch_matches_sdpa(page_size, num_heads, num_kv_heads, head_size
         rows, num_heads, num_kv_heads, head_size, page_size, dtype, seed=4, device=DEVICE, backend="triton"
     )
     out = paged_attention(*args, backend="triton")
-    expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
+    expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense, strict=True)])
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     reference = paged_attention(*args, backend="torch")
@@ -102,11 +110,12 @@ def test_causal_prefix_mask_matches_sdpa():
     """Row 0: prefix 20 of 40 with queries spanning prefix and target; row 1: target-only queries."""
     rows = [(0, 40), (30, 7)]
     prefix_lens = [20, 12]
-    args, queries, dense = build_paged_rows(rows, 4, 2, 32, 8, torch.float16, seed=5, device=DEVICE, backend="triton",
-                                            causal_prefix_lens=prefix_lens)
+    args, queries, dense = build_paged_rows(
+        rows, 4, 2, 32, 8, torch.float16, seed=5, device=DEVICE, backend="triton", causal_prefix_lens=prefix_lens
+    )
     out = paged_attention(*args, scale=0.2, backend="triton")
     expected = []
-    for (start, n), prefix, q, (k, v) in zip(rows, prefix_lens, queries, dense):
+    for (start, n), prefix, q, (k, v) in zip(rows, prefix_lens, queries, dense, strict=True):
         pos = torch.arange(start, start + n)[:, None]
         keys = torch.arange(k.shape[0])[None, :]
         mask = ((pos >= prefix) | (keys <= pos)).to(DEVICE)
@@ -135,5 +144,5 @@ def test_autotuned_launch_matches_sdpa(page_size):
         rows, 4, 2, 128, page_size, torch.bfloat16, seed=7, device=DEVICE, backend="triton"
     )
     out = paged_attention(*args, backend="triton")
-    expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense)])
+    expected = torch.cat([sdpa_row(q, k, v) for q, (k, v) in zip(queries, dense, strict=True)])
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_builders import native_kv_cache_config
 
 from diffusion_kv import (
     DiffusionKVContext,
@@ -13,7 +14,6 @@ from diffusion_kv import (
     sequence_request_id,
 )
 from diffusion_kv.request import _ContextKVRequest
-from kv_builders import native_kv_cache_config
 
 
 def _request(**overrides):

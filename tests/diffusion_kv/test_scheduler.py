@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from kv_builders import BLOCK_SIZE, DelegatingAllocator, EngineRequest, build_allocator, cfg_rows, pool_config
 
 from diffusion_kv import (
     DiffusionKVCacheManager,
@@ -11,9 +12,9 @@ from diffusion_kv import (
     DiffusionKVScheduler,
     NewRequestData,
     RequestStatus,
+    SchedulingPolicy,
     validate_new_request_data_identity,
 )
-from kv_builders import BLOCK_SIZE, DelegatingAllocator, EngineRequest, build_allocator, cfg_rows, pool_config
 
 
 class CountingAllocator(DelegatingAllocator):
@@ -32,7 +33,7 @@ class CountingAllocator(DelegatingAllocator):
 
 @pytest.fixture
 def make_scheduler(kind):
-    def make(num_blocks: int = 8, *, max_num_seqs: int = 1, max_rows: int = 4, error=None):
+    def make(num_blocks: int = 8, *, max_num_seqs: int = 1, max_rows: int = 4, error=None, **policy):
         config = pool_config(kind, num_blocks)
         allocator = CountingAllocator(build_allocator(kind, config, max_model_len=64), error)
         manager = DiffusionKVCacheManager(
@@ -43,7 +44,7 @@ def make_scheduler(kind):
             max_rows_per_request=max_rows,
             allocator=allocator,
         )
-        return DiffusionKVScheduler(manager, max_num_seqs=max_num_seqs)
+        return DiffusionKVScheduler(manager, max_num_seqs=max_num_seqs, **policy)
 
     return make
 
@@ -121,6 +122,80 @@ def test_impossible_capacity_does_not_block_waiters_under_load(make_scheduler):
     assert "required_blocks=4, available_blocks=3" in scheduler.get_request_state("impossible").error
 
 
+def _blocked_behind_a_big_request(make_scheduler, policy):
+    """10 usable blocks, 7 held by a running request; then a big request (8 blocks) and three small ones (1 each)."""
+    scheduler = make_scheduler(11, max_num_seqs=5, policy=policy, max_overtakes=2)
+    scheduler.add_request(_request("holder", seq_len=28))
+    scheduler.schedule()
+    scheduler.add_request(_request("big", rows=2, seq_len=16))
+    for name in ("s1", "s2", "s3"):
+        scheduler.add_request(_request(name, seq_len=4))
+    return scheduler
+
+
+def test_fcfs_keeps_everything_behind_a_head_that_does_not_fit(make_scheduler):
+    scheduler = _blocked_behind_a_big_request(make_scheduler, "fcfs")
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == []
+    assert list(scheduler.waiting) == ["big", "s1", "s2", "s3"]
+
+
+def test_fair_lets_fitting_requests_overtake_the_oldest_a_bounded_number_of_times(make_scheduler):
+    scheduler = _blocked_behind_a_big_request(make_scheduler, "fair")
+    # 3 free blocks: "big" does not fit; two small ones overtake it, the third may not.
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["s1", "s2"]
+    assert not scheduler.manager.has_request("big")
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == []  # 1 block free, but "big" has waited long enough
+    assert list(scheduler.waiting) == ["big", "s3"]
+    scheduler.finish_requests("holder", RequestStatus.FINISHED_STOPPED)  # 8 free: "big" fits, nothing is left
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["big"]
+    scheduler.finish_requests("s1", RequestStatus.FINISHED_STOPPED)
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["s3"]
+    assert not scheduler.waiting
+    for request_id in ("big", "s2", "s3"):
+        scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
+    _assert_baseline(scheduler)
+
+
+def test_fair_fails_a_request_that_can_never_fit_at_once_even_without_a_free_slot(make_scheduler):
+    scheduler = make_scheduler(5, max_num_seqs=1, policy="fair")  # 4 usable blocks, one running slot
+    scheduler.add_request(_request("running"))
+    scheduler.schedule()
+    scheduler.add_request(_request("never-fits", rows=3))  # 6 blocks
+    scheduler.add_request(_request("later"))
+    output = scheduler.schedule()
+    assert output.finished_req_ids == {"never-fits"} and output.num_scheduled_reqs == 1
+    state = scheduler.get_request_state("never-fits")
+    assert state.status is RequestStatus.FINISHED_ERROR
+    assert "cannot fit even when the block pool is empty: required_blocks=6, available_blocks=4" in state.error
+    assert list(scheduler.waiting) == ["later"]  # waiting for the slot, owning nothing
+    assert scheduler.update_from_output(output, completed=["running"]) == {"never-fits", "running"}
+    assert _ids(scheduler.schedule().scheduled_new_reqs) == ["later"]
+
+
+def test_fair_aborts_a_waiting_request_like_any_other(make_scheduler):
+    scheduler = make_scheduler(5, max_num_seqs=2, policy="fair")  # 4 usable blocks
+    scheduler.add_request(_request("holder", rows=2))  # all 4 blocks
+    scheduler.schedule()
+    scheduler.add_request(_request("waiting"))
+    assert scheduler.schedule().num_scheduled_reqs == 1 and list(scheduler.waiting) == ["waiting"]
+    scheduler.finish_requests("waiting", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.waiting and not scheduler.manager.has_request("waiting")
+    output = scheduler.schedule()
+    assert output.finished_req_ids == {"waiting"} and output.finished_row_targets == []
+    assert scheduler.update_from_output(output) == {"waiting"}
+    assert scheduler.pop_request_state("waiting").status is RequestStatus.FINISHED_ABORTED
+
+
+@pytest.mark.parametrize(
+    "policy,max_overtakes,match",
+    [("lifo", 16, "policy must be one of 'fcfs', 'fair', got 'lifo'"), ("fair", -1, "max_overtakes must be")],
+)
+def test_rejects_an_unknown_policy_and_a_negative_overtake_bound(make_scheduler, policy, max_overtakes, match):
+    with pytest.raises(ValueError, match=match):
+        make_scheduler(8, policy=policy, max_overtakes=max_overtakes)
+    assert make_scheduler(8, policy=SchedulingPolicy.FAIR).policy is SchedulingPolicy.FAIR
+
+
 def test_internal_allocation_error_is_engine_fatal(make_scheduler):
     scheduler = make_scheduler(8, error=RuntimeError("native allocation bug"))
     scheduler.add_request(_request("pub"))
@@ -175,9 +250,7 @@ def test_finish_requires_a_finished_status(make_scheduler):
 @pytest.mark.parametrize("kv_requests", [None, []])
 def test_rejects_request_without_kv_requests(make_scheduler, kv_requests):
     scheduler = make_scheduler(8)
-    with pytest.raises(
-        ValueError, match="has no diffusion_kv_requests: give it one DiffusionKVRequest per CFG row"
-    ):
+    with pytest.raises(ValueError, match="has no diffusion_kv_requests: give it one DiffusionKVRequest per CFG row"):
         scheduler.add_request(EngineRequest("pub", kv_requests))
     assert not scheduler.has_requests()
 

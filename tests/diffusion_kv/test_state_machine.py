@@ -1,4 +1,4 @@
-"""Random reserve / finish / abort / preempt / resume / reuse sequences over small pools.
+"""Random reserve / finish / abort / preempt / resume / reuse sequences over small pools, under both policies.
 
 After every step no partial ownership exists (the manager's tables, the
 allocator's ownership and the block count agree, and only running or
@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_builders import BLOCK_SIZE, EngineRequest, cfg_rows, pool_config
 
 from diffusion_kv import (
     DiffusionKVCacheManager,
@@ -20,7 +21,6 @@ from diffusion_kv import (
     DiffusionKVScheduler,
     RequestStatus,
 )
-from kv_builders import BLOCK_SIZE, EngineRequest, cfg_rows, pool_config
 
 PUBLIC_IDS = ("a", "b", "c")
 
@@ -28,8 +28,14 @@ PUBLIC_IDS = ("a", "b", "c")
 class ReservationMachine(RuleBasedStateMachine):
     allocator_kind = "builtin"
 
-    @initialize(num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 3), max_rows=st.integers(1, 3))
-    def build(self, num_blocks, max_num_seqs, max_rows):
+    @initialize(
+        num_blocks=st.integers(3, 10),
+        max_num_seqs=st.integers(1, 3),
+        max_rows=st.integers(1, 3),
+        policy=st.sampled_from(["fcfs", "fair"]),
+        max_overtakes=st.integers(0, 3),
+    )
+    def build(self, num_blocks, max_num_seqs, max_rows, policy, max_overtakes):
         config = pool_config(self.allocator_kind, num_blocks, num_kv_heads=1, dtype=torch.float16)
         self.manager = DiffusionKVCacheManager(
             config,
@@ -39,7 +45,9 @@ class ReservationMachine(RuleBasedStateMachine):
             max_rows_per_request=max_rows,
             allocator=self.allocator_kind,
         )
-        self.scheduler = DiffusionKVScheduler(self.manager, max_num_seqs=max_num_seqs)
+        self.scheduler = DiffusionKVScheduler(
+            self.manager, max_num_seqs=max_num_seqs, policy=policy, max_overtakes=max_overtakes
+        )
         self.baseline = self.manager.get_num_free_blocks()
         self.last_output = None
         self.max_generation = 0

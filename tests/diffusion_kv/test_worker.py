@@ -10,9 +10,14 @@ from diffusion_kv.worker import RowIdentity, WorkerRowTable
 
 
 def table(num_rows=4, max_rows=2, num_blocks=8, block_size=4, max_model_len=16):
-    return WorkerRowTable(num_rows=num_rows, max_rows_per_request=max_rows, num_blocks=num_blocks,
-                          block_size=block_size, max_model_len=max_model_len,
-                          registered_roles={"primary", "ar_decode"})
+    return WorkerRowTable(
+        num_rows=num_rows,
+        max_rows_per_request=max_rows,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        registered_roles={"primary", "ar_decode"},
+    )
 
 
 def seq(sequence_id, blocks, seq_len=None, prefix_len=2):
@@ -44,8 +49,10 @@ def test_install_writes_rows_from_the_top_of_the_free_stack():
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (meta(sequences=(seq(0, [3]),), contexts=(DiffusionKVContextMetadata("c", "cross.text", 4, ([2],)),)),
-         r"context 'c' uses unregistered cache role 'cross.text'; registered roles=\['ar_decode', 'primary'\]"),
+        (
+            meta(sequences=(seq(0, [3]),), contexts=(DiffusionKVContextMetadata("c", "cross.text", 4, ([2],)),)),
+            r"context 'c' uses unregistered cache role 'cross.text'; registered roles=\['ar_decode', 'primary'\]",
+        ),
         (meta(sequences=(seq(0, [1]), seq(0, [2]))), "Duplicate diffusion KV row identity"),
         (meta(sequences=(seq(0, [1, 2], seq_len=4),)), "has 2 blocks; expected 1 for 4 tokens"),
         (meta(sequences=(seq(0, [1, 8]),)), r"block id 8; ids must be ints in \[0, 8\)"),
@@ -72,7 +79,9 @@ def test_generation_rules_for_an_installed_request():
     t = table()
     assert t.install(meta(generation=5)) is True
     version = t.version
-    with pytest.raises(ValueError, match="Stale Diffusion KV allocation generation 4 for request 'r'; installed generation is 5"):
+    with pytest.raises(
+        ValueError, match="Stale Diffusion KV allocation generation 4 for request 'r'; installed generation is 5"
+    ):
         t.install(meta(generation=4))
     with pytest.raises(ValueError, match="Conflicting Diffusion KV allocation snapshot for active request 'r'"):
         t.install(meta(generation=6, sequences=(seq(0, [2, 1], seq_len=7),)))

@@ -36,8 +36,11 @@ def _meta_model(model: torch.nn.Module | None = None, prefixes: tuple[str, ...] 
         owner_path, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_path)
         table = owner._parameters if attr in owner._parameters else owner._buffers
-        table[attr] = torch.nn.Parameter(torch.empty_like(table[attr], device="meta"), requires_grad=False) \
-            if attr in owner._parameters else torch.empty_like(table[attr], device="meta")
+        table[attr] = (
+            torch.nn.Parameter(torch.empty_like(table[attr], device="meta"), requires_grad=False)
+            if attr in owner._parameters
+            else torch.empty_like(table[attr], device="meta")
+        )
     return model
 
 
@@ -76,8 +79,10 @@ def test_preflight_covers_several_block_lists(tmp_path: Path) -> None:
     handle.remove()
     # A checkpoint without the second list's tensors cannot back the plan; the reason names both prefixes.
     (tmp_path / "partial").mkdir()
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items() if not k.startswith("single_blocks.")},
-              str(tmp_path / "partial" / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in reference.state_dict().items() if not k.startswith("single_blocks.")},
+        str(tmp_path / "partial" / "model.safetensors"),
+    )
     result = build_checkpoint_mmap_plan(make_two_list_model(), plan, tmp_path / "partial")
     assert result.plan is None and "required block tensors have no checkpoint binding" in result.fallback_reason
     assert "single_blocks.0" in result.fallback_reason
@@ -90,7 +95,14 @@ def _fallback(tmp_path: Path, model: torch.nn.Module, checkpoint: object, caplog
     assert result.plan is None and result.fallback_reason
     assert f"DLO direct checkpoint mmap unavailable; using ordinary loader: {result.fallback_reason}" in caplog.text
     after = model.state_dict()
-    assert before.keys() == after.keys() and all(after[k] is not None and torch.equal(before[k].view(torch.uint8) if before[k].dtype == torch.float8_e4m3fn else before[k], after[k].view(torch.uint8) if after[k].dtype == torch.float8_e4m3fn else after[k]) for k in before)
+    assert before.keys() == after.keys() and all(
+        after[k] is not None
+        and torch.equal(
+            before[k].view(torch.uint8) if before[k].dtype == torch.float8_e4m3fn else before[k],
+            after[k].view(torch.uint8) if after[k].dtype == torch.float8_e4m3fn else after[k],
+        )
+        for k in before
+    )
     return result.fallback_reason
 
 
@@ -160,7 +172,9 @@ def test_ordinary_fallback_loads_everything(tmp_path: Path) -> None:
 def test_load_rejects_a_checkpoint_missing_non_block_tensors(tmp_path: Path) -> None:
     state = {k: v.contiguous() for k, v in make_model().state_dict().items() if not k.startswith("head.")}
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(RuntimeError, match=r"checkpoint does not match the model: missing \['head.bias', 'head.weight'\]"):
+    with pytest.raises(
+        RuntimeError, match=r"checkpoint does not match the model: missing \['head.bias', 'head.weight'\]"
+    ):
         load_checkpoint(make_model(), PLAN, tmp_path)
 
 
@@ -173,7 +187,9 @@ def test_a_host_weight_plan_for_another_layout_is_refused_and_changes_nothing(tm
     assert result.plan is not None
     other = make_model(hidden=16)  # same names, other shapes
     before = {k: v.clone() for k, v in other.state_dict().items() if v.dtype != torch.float8_e4m3fn}
-    with pytest.raises(ValueError, match=r"host_weights binds blocks\.1\.norm\.weight to a torch\.float32 tensor of shape \(32,\)"):
+    with pytest.raises(
+        ValueError, match=r"host_weights binds blocks\.1\.norm\.weight to a torch\.float32 tensor of shape \(32,\)"
+    ):
         enable_layerwise_offload(other, PLAN, device="cpu", host_weights=result.plan)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
     assert not other.blocks[1]._forward_pre_hooks

@@ -42,19 +42,26 @@ def test_two_block_lists_stream_in_execution_order_with_exact_output(resident_bl
     x = torch.randn(2, 7, HIDDEN, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = reference(x)
-    plan = OffloadPlan(("double_blocks", "single_blocks"), resident_blocks=resident_blocks,
-                       resident_modules=("embed", "head"))
+    plan = OffloadPlan(
+        ("double_blocks", "single_blocks"), resident_blocks=resident_blocks, resident_modules=("embed", "head")
+    )
     handle = enable_layerwise_offload(model, plan, device="cpu")
-    streamed = [name for name, module in model.named_modules()
-                if module in (*model.double_blocks, *model.single_blocks)][resident_blocks:]
+    streamed = [
+        name for name, module in model.named_modules() if module in (*model.double_blocks, *model.single_blocks)
+    ][resident_blocks:]
     assert [block.name for block in handle._streamed] == streamed
     # Each slot holds the largest streamed block, whichever list it comes from.
-    sizes = [sum(t.numel() * t.element_size() for t in b.parameters()) for b in (*reference.double_blocks,
-                                                                                  *reference.single_blocks)]
+    sizes = [
+        sum(t.numel() * t.element_size() for t in b.parameters())
+        for b in (*reference.double_blocks, *reference.single_blocks)
+    ]
     assert handle.slot_nbytes >= max(sizes[resident_blocks:], default=0)
     loaded: list[str] = []
-    hooks = [block.register_forward_pre_hook(lambda module, args, name=name: loaded.append(name))
-             for name, block in model.named_modules() if name.count(".") == 1 and "blocks." in name]
+    hooks = [
+        block.register_forward_pre_hook(lambda module, args, name=name: loaded.append(name))
+        for name, block in model.named_modules()
+        if name.count(".") == 1 and "blocks." in name
+    ]
     with torch.inference_mode():
         for _ in range(3):  # the circular prefetch wraps from the last single block to the first streamed one
             assert torch.equal(model(x), expected)
@@ -80,7 +87,7 @@ def test_slots_move_through_named_states_and_never_reload_a_running_block() -> N
         assert torch.equal(model(x), expected)
     for h in hooks:
         h.remove()
-    computing, filled, released = SlotState.COMPUTING, SlotState.FILLED, SlotState.RELEASED
+    computing, filled = SlotState.COMPUTING, SlotState.FILLED
     assert seen == [
         [(computing, 0), (filled, 1)],  # block 0 runs from slot 0 while block 1 is copied into slot 1
         [(filled, 2), (computing, 1)],  # block 2 goes into slot 0 once block 0 released it
@@ -111,7 +118,9 @@ def test_a_profiler_trace_names_each_blocks_copy_and_forward() -> None:
     # Blocks 1 and 2 are prefetched during this forward, block 0 for the next one (block 0's first copy
     # happened at enable time, before the trace).
     assert [n for n in names if n.startswith("dlo_offload.h2d")] == [
-        "dlo_offload.h2d blocks.1", "dlo_offload.h2d blocks.2", "dlo_offload.h2d blocks.0"
+        "dlo_offload.h2d blocks.1",
+        "dlo_offload.h2d blocks.2",
+        "dlo_offload.h2d blocks.0",
     ]
 
 
@@ -134,7 +143,7 @@ def test_streamed_blocks_live_only_in_the_two_slots() -> None:
     for h in hooks:
         h.remove()
     # Two slots alternate between consecutive blocks, so slots are reused every other block.
-    assert all(a != b for a, b in zip(seen_slots, seen_slots[1:5]))
+    assert all(a != b for a, b in zip(seen_slots, seen_slots[1:5], strict=False))
     assert len(set(seen_slots)) == 2
     # Between forwards, streamed blocks hold no weight bytes at all.
     assert all(p.numel() == 0 for block in model.blocks for p in block.parameters())
@@ -146,7 +155,9 @@ def test_streamed_blocks_live_only_in_the_two_slots() -> None:
 def test_resident_blocks_and_modules_stay_on_device_untouched() -> None:
     model, _, x, _ = _reference(4)
     embed_weight = model.embed.weight
-    handle = enable_layerwise_offload(model, OffloadPlan("blocks", resident_blocks=2, resident_modules=("embed",)), device="cpu")
+    handle = enable_layerwise_offload(
+        model, OffloadPlan("blocks", resident_blocks=2, resident_modules=("embed",)), device="cpu"
+    )
     assert model.embed.weight is embed_weight  # parameter identity kept
     assert model.blocks[0].qkv.weight.numel() > 0 and model.blocks[1].qkv.weight.numel() > 0
     assert model.blocks[2].qkv.weight.numel() == 0 and model.blocks[3].qkv.weight.numel() == 0

@@ -9,14 +9,29 @@ from hypothesis import strategies as st
 from dlo_offload.layout import ALIGNMENT_BYTES, layout_of, pack_range, storage_span
 
 DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
 ]
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    raw = torch.randint(0, 256, (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    raw = torch.randint(
+        0,
+        256,
+        (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
     if dtype == torch.bool:
         return (raw % 2).bool().view(shape)
     return raw.view(dtype).view(shape)  # arbitrary bit patterns, NaN payloads included
@@ -44,8 +59,9 @@ def test_every_dtype_and_stride_round_trips_bit_exactly() -> None:
         tensors.append((f"t{i}", "buffer", base.t()))  # stride (1, 7)
         tensors.append((f"s{i}", "buffer", base[::2]))  # gaps in storage
     packed, layout = _pack_full(tensors)
-    for entry, (name, _, tensor) in zip(sorted(layout.entries, key=lambda e: e.name),
-                                        sorted(tensors, key=lambda t: t[0])):
+    for entry, (name, _, tensor) in zip(
+        sorted(layout.entries, key=lambda e: e.name), sorted(tensors, key=lambda t: t[0]), strict=True
+    ):
         assert entry.name == name and entry.byte_offset % ALIGNMENT_BYTES == 0
         view = entry.view_in(packed)
         assert (view.dtype, view.shape, view.stride()) == (tensor.dtype, tensor.shape, tensor.stride())
@@ -53,8 +69,12 @@ def test_every_dtype_and_stride_round_trips_bit_exactly() -> None:
 
 
 def test_tensors_are_grouped_by_dtype() -> None:
-    tensors = [("a", "parameter", torch.zeros(3)), ("b", "parameter", torch.zeros(3, dtype=torch.float16)),
-               ("c", "parameter", torch.zeros(3)), ("d", "buffer", torch.zeros(3, dtype=torch.float16))]
+    tensors = [
+        ("a", "parameter", torch.zeros(3)),
+        ("b", "parameter", torch.zeros(3, dtype=torch.float16)),
+        ("c", "parameter", torch.zeros(3)),
+        ("d", "buffer", torch.zeros(3, dtype=torch.float16)),
+    ]
     assert [e.name for e in layout_of(tensors).entries] == ["a", "c", "b", "d"]  # type: ignore[arg-type]
 
 
@@ -66,7 +86,9 @@ def test_overlapping_tensor_is_rejected_with_advice() -> None:
 @settings(max_examples=30, deadline=None)
 @given(
     world=st.integers(1, 5),
-    sizes=st.lists(st.tuples(st.sampled_from(range(len(DTYPES))), st.integers(0, 40), st.booleans()), min_size=1, max_size=6),
+    sizes=st.lists(
+        st.tuples(st.sampled_from(range(len(DTYPES))), st.integers(0, 40), st.booleans()), min_size=1, max_size=6
+    ),
 )
 def test_equal_shards_concatenate_to_the_full_block(world: int, sizes: list[tuple[int, int, bool]]) -> None:
     tensors = []
@@ -83,4 +105,4 @@ def test_equal_shards_concatenate_to_the_full_block(world: int, sizes: list[tupl
         pieces.append(piece)
     gathered = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
     assert torch.equal(gathered[: full.numel()], full)
-    assert not gathered[full.numel():].any()  # zero padding, never stale bytes
+    assert not gathered[full.numel() :].any()  # zero padding, never stale bytes

@@ -4,7 +4,7 @@ import pytest
 from dlo_test_models import make_model, make_two_list_model
 from torch import nn
 
-from dlo_offload import OffloadPlan, enable_layerwise_offload, resolve_plan
+from dlo_offload import OffloadPlan, check_allgather_plan, enable_layerwise_offload, resolve_plan
 
 
 def test_resolves_blocks_resident_count_and_modules() -> None:
@@ -42,7 +42,10 @@ def test_invalid_plans_are_rejected_at_construction(kwargs: dict, error: type, m
 @pytest.mark.parametrize(
     ("plan", "match"),
     [
-        (OffloadPlan("layers"), r"'layers' does not name a submodule of TinyDiT; its top-level children are \['embed', 'blocks', 'head'\]"),
+        (
+            OffloadPlan("layers"),
+            r"'layers' does not name a submodule of TinyDiT; its top-level children are \['embed', 'blocks', 'head'\]",
+        ),
         (OffloadPlan("embed"), "is a Linear; it must be the nn.ModuleList"),
         (OffloadPlan("blocks", resident_modules=("final_norm",)), "resident_modules path 'final_norm' does not name"),
         (OffloadPlan("blocks", resident_modules=("blocks.0",)), "overlaps the block list"),
@@ -81,14 +84,30 @@ def test_a_group_without_initialized_torch_distributed_is_rejected() -> None:
         enable_layerwise_offload(model, OffloadPlan("blocks", resident_blocks=1), device="cpu", group=object())  # type: ignore[arg-type]
 
 
+def test_resident_blocks_need_rank_local_mode_when_sharding() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"OffloadPlan\(resident_blocks=2\) was combined with use_allgather=True.*"
+        "Pass use_allgather=False or resident_blocks=0",
+    ):
+        check_allgather_plan(2, use_allgather=True)
+    check_allgather_plan(2, use_allgather=False)
+    check_allgather_plan(0, use_allgather=True)
+
+
 def test_several_block_lists_resolve_in_execution_order() -> None:
     model = make_two_list_model(num_double=2, num_single=3)
     plan = OffloadPlan(["double_blocks", "single_blocks"], resident_blocks=3, resident_modules=("embed", "head"))
     assert plan.blocks == ("double_blocks", "single_blocks") and plan.block_lists == plan.blocks
     assert OffloadPlan("blocks").block_lists == ("blocks",)
     resolved = resolve_plan(model, plan)
-    assert resolved.block_names == ("double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1",
-                                    "single_blocks.2")
+    assert resolved.block_names == (
+        "double_blocks.0",
+        "double_blocks.1",
+        "single_blocks.0",
+        "single_blocks.1",
+        "single_blocks.2",
+    )
     assert resolved.blocks == (*model.double_blocks, *model.single_blocks)
     # resident_blocks counts across the lists: both double blocks and the first single block stay.
     assert [n for n, _ in resolved.resident] == ["double_blocks.0", "double_blocks.1", "single_blocks.0"]
@@ -101,8 +120,10 @@ def test_several_block_lists_resolve_in_execution_order() -> None:
         (OffloadPlan(("double_blocks", "double_blocks.0")), "paths 'double_blocks' and 'double_blocks.0' overlap"),
         (OffloadPlan(("double_blocks", "layers")), "'layers' does not name a submodule"),
         (OffloadPlan(("double_blocks", "embed")), "'embed' is a Linear"),
-        (OffloadPlan(("double_blocks", "single_blocks"), resident_modules=("single_blocks.1",)),
-         "overlaps the block list 'single_blocks'"),
+        (
+            OffloadPlan(("double_blocks", "single_blocks"), resident_modules=("single_blocks.1",)),
+            "overlaps the block list 'single_blocks'",
+        ),
     ],
 )
 def test_several_block_lists_that_do_not_fit_the_model_are_rejected(plan: OffloadPlan, match: str) -> None:

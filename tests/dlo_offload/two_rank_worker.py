@@ -27,11 +27,7 @@ from dlo_offload import (  # noqa: E402
     WaveFailedError,
     WaveRefusedError,
     WaveRequest,
-    destroy_model_parallel,
     enable_layerwise_offload,
-    get_model_parallel_groups,
-    initialize_model_parallel,
-    select_dlo_group,
 )
 
 
@@ -49,12 +45,7 @@ def main() -> None:
     rank = dist.get_rank()
     report: dict[str, object] = {}
 
-    groups = initialize_model_parallel()
-    report["dp_ranks"] = groups["dp"].ranks
-    report["sizes"] = groups.sizes
-    report["second_init"] = expect_error(RuntimeError, initialize_model_parallel)
-    group = select_dlo_group(groups)
-    report["dlo_group_is_dp"] = group is groups["dp"].group
+    group = dist.new_group([0, 1], backend="gloo")  # the group to shard over: both ranks hold the same model
 
     # AllGather reconstruction: each rank holds half of every block; outputs and bytes exact.
     model = make_model(num_blocks=5)
@@ -72,8 +63,11 @@ def main() -> None:
             got = dict(module.named_parameters()) | dict(module.named_buffers())
             for name, w in want.items():
                 g = got[name]
-                if (g.dtype, g.shape, g.stride()) != (w.dtype, w.shape, w.stride()) or tensor_bytes(g) != tensor_bytes(w):
+                if (g.dtype, g.shape, g.stride()) != (w.dtype, w.shape, w.stride()) or tensor_bytes(g) != tensor_bytes(
+                    w
+                ):
                     mismatched.append(f"blocks.{index}.{name}")
+
         return hook
 
     hooks = [model.blocks[i].register_forward_pre_hook(capture(i)) for i in range(5)]
@@ -90,20 +84,25 @@ def main() -> None:
     handle.remove()
     report["restored_equal"] = all(
         tensor_bytes(a) == tensor_bytes(b) and a.stride() == b.stride()
-        for a, b in zip(model.state_dict().values(), reference.state_dict().values())
+        for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True)
     )
 
     local_model = make_model(num_blocks=4)
     local_reference = copy.deepcopy(local_model)
-    local = enable_layerwise_offload(local_model, OffloadPlan("blocks", resident_blocks=1), device="cpu",
-                                     group=group, use_allgather=False)
+    local = enable_layerwise_offload(
+        local_model, OffloadPlan("blocks", resident_blocks=1), device="cpu", group=group, use_allgather=False
+    )
     with torch.inference_mode():
         report["rank_local"] = [local.mode, local.world_size, torch.equal(local_model(x), local_reference(x))]
     local.remove()
 
     report["resident_with_allgather"] = expect_error(
-        ValueError, enable_layerwise_offload, make_model(), OffloadPlan("blocks", resident_blocks=1),
-        device="cpu", group=group,
+        ValueError,
+        enable_layerwise_offload,
+        make_model(),
+        OffloadPlan("blocks", resident_blocks=1),
+        device="cpu",
+        group=group,
     )
     odd = make_model(hidden=32 if rank == 0 else 16)
     report["layout_disagreement"] = expect_error(
@@ -127,33 +126,6 @@ def main() -> None:
     )
     report["after_refusals"] = [r.request_id for r in coordinator.form_wave(WaveRequest(f"ok-{rank}", 2, "x"))]
 
-    destroy_model_parallel()
-    report["reinit_after_destroy"] = initialize_model_parallel().sizes["dp"]
-    destroy_model_parallel()
-
-    # All-or-nothing: the third group creation fails on every rank; the two created before are destroyed.
-    from torch.distributed import distributed_c10d
-
-    real_new_group, created = dist.new_group, []
-
-    def failing_new_group(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if len(created) == 2:
-            raise RuntimeError("injected group-creation failure")
-        group = real_new_group(*args, **kwargs)
-        created.append(group)
-        return group
-
-    dist.new_group = failing_new_group
-    try:
-        report["partial_init"] = expect_error(RuntimeError, initialize_model_parallel)
-    finally:
-        dist.new_group = real_new_group
-    report["partial_init_left_groups"] = sum(g in distributed_c10d._world.pg_map for g in created if g is not None
-                                             and g != dist.GroupMember.NON_GROUP_MEMBER)
-    report["state_after_partial"] = expect_error(RuntimeError, get_model_parallel_groups)
-    report["init_after_partial"] = initialize_model_parallel().sizes["dp"]
-    destroy_model_parallel()
-
     # Failure scenarios: rank 1 stops participating, then exits.
     timeout_group = dist.new_group([0, 1], backend="gloo")
     death_group = dist.new_group([0, 1], backend="gloo")
@@ -163,7 +135,9 @@ def main() -> None:
         time.sleep(3.0)  # never joins the timed wave, then dies without joining the next one
         os._exit(0)
     failures: list[str] = []
-    timed = DPWaveCoordinator(timeout_group, timeout_s=1.5, on_failure=[lambda exc: failures.append(type(exc).__name__)])
+    timed = DPWaveCoordinator(
+        timeout_group, timeout_s=1.5, on_failure=[lambda exc: failures.append(type(exc).__name__)]
+    )
     start = time.monotonic()
     report["timeout_error"] = expect_error(WaveFailedError, timed.form_wave, WaveRequest("late", 4, "x"))
     report["timeout_elapsed_s"] = time.monotonic() - start

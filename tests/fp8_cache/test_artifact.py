@@ -274,8 +274,16 @@ def _index_total_size_wrong(cache: Path) -> None:
 
 @pytest.mark.parametrize(
     "corrupt",
-    [_corrupt_manifest, _corrupt_complete, _corrupt_index, _truncate_shard, _corrupt_shard_header, _delete_shard,
-     _index_lists_an_extra_tensor, _index_total_size_wrong],
+    [
+        _corrupt_manifest,
+        _corrupt_complete,
+        _corrupt_index,
+        _truncate_shard,
+        _corrupt_shard_header,
+        _delete_shard,
+        _index_lists_an_extra_tensor,
+        _index_total_size_wrong,
+    ],
 )
 def test_each_kind_of_corruption_is_a_miss_and_a_rebuild_repairs_it(built, component, corrupt):
     cache, _ = built
@@ -300,7 +308,9 @@ def test_flipped_tensor_bytes_pass_the_cheap_check_but_fail_verify(built):
 def test_quantized_tensor_stored_in_the_wrong_dtype_is_a_miss(built):
     cache, manifest = built
     name = "blocks.0.attn.qkv.weight"
-    shard = cache / "transformer" / json.loads((cache / "transformer" / CACHE_INDEX_NAME).read_text())["weight_map"][name]
+    shard = (
+        cache / "transformer" / json.loads((cache / "transformer" / CACHE_INDEX_NAME).read_text())["weight_map"][name]
+    )
     tensors = load_file(str(shard))
     tensors[name] = tensors[name].float().bfloat16()
     save_file(tensors, str(shard))
@@ -375,8 +385,9 @@ def test_cache_hit_installed_into_a_meta_model_equals_online_quantize_model(tmp_
     source_model = _source_model(tmp_path / "src")
     online_report = quantize_model(source_model, ignore=["embed"])
     load_fp8_weights(tmp_path / "src", tmp_path / "cache", device="cpu", quantize=online_report.quantized_weight_names)
-    hit = load_fp8_weights(tmp_path / "src", tmp_path / "cache", device="cpu",
-                           quantize=online_report.quantized_weight_names)
+    hit = load_fp8_weights(
+        tmp_path / "src", tmp_path / "cache", device="cpu", quantize=online_report.quantized_weight_names
+    )
     assert hit.hit
     with torch.device("meta"):
         warm_model = _Component().to(torch.bfloat16)

@@ -48,6 +48,10 @@ def test_build_inspect_verify_round_trip_and_failures(tmp_path: Path, capsys):
 
 
 def test_exit_code_reaches_the_shell(tmp_path: Path):
-    done = subprocess.run([sys.executable, "-m", "fp8_cache.cli", "verify", str(tmp_path / "none")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp8_cache.cli", "verify", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == EXIT_INVALID and "invalid FP8 cache" in done.stderr

@@ -20,9 +20,11 @@ from fp8_cache import (
     load_fp8_state_dict,
     per_row_scales,
     per_tensor_scale,
+    quantize_activation,
     quantize_activation_rows,
     quantize_model,
     quantize_per_tensor,
+    scaled_mm_available,
 )
 
 # float8_e4m3fn has 3 mantissa bits: round-to-nearest relative error <= 2^-4 for normal values.
@@ -159,7 +161,8 @@ def test_fp8_linear_takes_a_pre_quantized_activation(per_row):
 
 
 def test_the_weight_scale_row_follows_every_change_of_the_scale():
-    """Rowwise GEMMs read the scale as a memoized [1, out] row: loading a new scale, in place or assigned, refreshes it."""
+    """Rowwise GEMMs read the scale as a memoized [1, out] row: loading a new scale, in place or assigned, refreshes
+    it."""
     layer = FP8Linear.from_linear(nn.Linear(32, 16))
     first = layer._weight_scale_row()
     assert first.shape == (1, 16) and first.is_contiguous() and layer._weight_scale_row() is first
@@ -236,6 +239,41 @@ def test_quantize_model_skips_meta_weights_and_rejects_a_bare_string():
         quantize_model(_Model(), ignore="head")
 
 
+def test_activation_scaling_is_each_quantized_models_own():
+    """Two models quantized with different activation scalings coexist: each layer keeps the one it was given."""
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    per_tensor = _Model().to(device, torch.bfloat16)
+    per_row = _Model().to(device, torch.bfloat16)
+    per_row.load_state_dict(per_tensor.state_dict())
+    quantize_model(per_tensor)
+    quantize_model(per_row, activation_scaling="row")
+    layers = [(a, b) for a, b in zip(per_tensor.modules(), per_row.modules(), strict=True) if isinstance(a, FP8Linear)]
+    assert layers and all(a.activation_scaling == "tensor" and b.activation_scaling == "row" for a, b in layers)
+    assert "activation_scaling='row'" in repr(per_row.blocks[0].proj)
+    installed = _Model().to(device, torch.bfloat16)
+    load_fp8_state_dict(installed, per_row.state_dict(), activation_scaling="row")  # a cache hit takes it too
+    assert installed.blocks[0].proj.activation_scaling == "row"
+    x = torch.randn(4, 32, device=device, dtype=torch.bfloat16)
+    tensor_layer, row_layer = per_tensor.blocks[0].proj, per_row.blocks[0].proj
+    if scaled_mm_available(x.device):  # the FP8 GEMM path: each layer quantizes its input its own way
+        x_fp8, x_scale = quantize_activation(x)
+        assert torch.equal(tensor_layer(x), tensor_layer(FP8Activation(x_fp8, x_scale, x.dtype)))
+        assert torch.equal(row_layer(x), row_layer(quantize_activation_rows(x)))
+        assert not torch.equal(tensor_layer(x), row_layer(x))
+    else:  # elsewhere the dequantized path runs, whatever the scaling
+        assert torch.equal(tensor_layer(x), row_layer(x))
+
+
+def test_an_unknown_activation_scaling_is_refused_before_anything_changes():
+    model = _Model()
+    with pytest.raises(ValueError, match=r"activation_scaling must be one of \['tensor', 'row'\], got 'column'"):
+        quantize_model(model, activation_scaling="column")
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    with pytest.raises(ValueError, match="activation_scaling must be one of"):
+        FP8Linear(32, 32, activation_scaling="column")
+
+
 class _Mixed(nn.Module):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
@@ -286,8 +324,7 @@ def test_fp8_linear_under_torch_compile_matches_eager(scaling):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    linear = FP8Linear.from_linear(nn.Linear(256, 128, bias=True).to(device))
-    linear.activation_scaling = scaling
+    linear = FP8Linear.from_linear(nn.Linear(256, 128, bias=True).to(device), activation_scaling=scaling)
     norm = nn.LayerNorm(256, elementwise_affine=False).to(device)
 
     def block(x: torch.Tensor) -> torch.Tensor:

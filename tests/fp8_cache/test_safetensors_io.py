@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fp8_cache import SAFETENSORS_DTYPES
 from fp8_cache.safetensors_io import (
     SafetensorsFormatError,
     _pread_exact,
@@ -21,6 +23,17 @@ from fp8_cache.safetensors_io import (
     read_header,
     read_tensor_specs,
 )
+
+
+def test_the_dtype_table_names_what_safetensors_writes_and_cannot_be_changed(tmp_path: Path) -> None:
+    for name, dtype in SAFETENSORS_DTYPES.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({"t": torch.zeros(2, dtype=dtype)}, str(path))
+        with safe_open(str(path), framework="pt") as f:
+            assert f.get_slice("t").get_dtype() == name
+        assert read_tensor_specs(path)[0].dtype == dtype
+    with pytest.raises(TypeError):
+        SAFETENSORS_DTYPES["F32"] = torch.float16  # type: ignore[index]
 
 
 def _mixed_file(path: Path) -> dict[str, torch.Tensor]:
@@ -106,8 +119,16 @@ def _raw(header: dict | bytes, payload: bytes = b"") -> bytes:
         (_raw({"t": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}}, b"\x00"), "unsupported dtype"),
         (_raw({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\x00" * 4), "does not fit"),
         (_raw({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\x00" * 4), "invalid shape"),
-        (_raw({"t": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
-               "u": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, b"\x00" * 3), "overlap"),
+        (
+            _raw(
+                {
+                    "t": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                    "u": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]},
+                },
+                b"\x00" * 3,
+            ),
+            "overlap",
+        ),
     ],
 )
 def test_malformed_files_raise_a_clear_format_error(tmp_path, content, message):
@@ -115,7 +136,6 @@ def test_malformed_files_raise_a_clear_format_error(tmp_path, content, message):
     path.write_bytes(content)
     with pytest.raises(SafetensorsFormatError, match=message):
         read_header(path)
-
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned staging path exists only for CUDA loads")

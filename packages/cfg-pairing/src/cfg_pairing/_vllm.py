@@ -68,9 +68,11 @@ class PairGatedKVCacheManager(KVCacheManager):
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
         gate = self.pair_gate
-        if gate is not None and (
-            (status := request.status) is _WAITING or status is _PREEMPTED
-        ) and request.request_id in gate._cfg_req_to_pair:
+        if (
+            gate is not None
+            and ((status := request.status) is _WAITING or status is _PREEMPTED)
+            and request.request_id in gate._cfg_req_to_pair
+        ):
             reservation = partner_reservation(gate, request, _ADMITTABLE)
             if reservation is None:
                 return None

@@ -40,10 +40,7 @@ def _partner_first_chunk_blocks(scheduler: Any, partner: Any) -> int:
     if threshold > 0:
         chunk = min(chunk, threshold)
     tokens = partner.num_computed_tokens + chunk + scheduler.num_lookahead_tokens
-    return sum(
-        _ceil_div(tokens, group.kv_cache_spec.block_size)
-        for group in scheduler.kv_cache_config.kv_cache_groups
-    )
+    return sum(_ceil_div(tokens, group.kv_cache_spec.block_size) for group in scheduler.kv_cache_config.kv_cache_groups)
 
 
 def partner_reservation(scheduler: Any, request: Any, admittable: frozenset[Any]) -> int | None:

@@ -102,16 +102,14 @@ def equalize_cfg_pair_progress(scheduler: Any, scheduler_output: Any) -> list[Ha
         plan = plan_rollback(cond.num_computed_tokens, uncond.num_computed_tokens, cond_scheduled, uncond_scheduled)
         if plan is None:
             continue
-        for request, back in zip((cond, uncond), plan):
+        for request, back in zip((cond, uncond), plan, strict=True):
             if back:
                 request.num_computed_tokens -= back
                 _take_back(scheduler_output, request.request_id, back)
     return apart
 
 
-def equalize_before_advance(
-    scheduler: Any, scheduler_output: Any
-) -> tuple[list[Hashable], list[tuple[Any, int]]]:
+def equalize_before_advance(scheduler: Any, scheduler_output: Any) -> tuple[list[Hashable], list[tuple[Any, int]]]:
     """Equalize every complete pair before the step's tokens are counted.
 
     Only the output changes; the caller then lets the scheduler advance each
@@ -143,7 +141,7 @@ def equalize_before_advance(
         if plan is None:
             ahead, ahead_scheduled = (cond, cond_scheduled) if cond_after > uncond_after else (uncond, uncond_scheduled)
             plan = (ahead_scheduled - 1, 0) if ahead is cond else (0, ahead_scheduled - 1)
-        for request, back in zip((cond, uncond), plan):
+        for request, back in zip((cond, uncond), plan, strict=True):
             if back:
                 _take_back(scheduler_output, request.request_id, back)
                 trimmed.append(request)

@@ -76,7 +76,11 @@ def configure_cfg_scheduler(vllm_config: Any) -> bool:
     scheduler_config = vllm_config.scheduler_config
     wanted = cfg_scheduler_cls(bool(getattr(scheduler_config, "async_scheduling", False)))
     current = getattr(scheduler_config, "scheduler_cls", None)
-    if current is not None and current is not wanted and not (isinstance(current, type) and issubclass(current, wanted)):
+    if (
+        current is not None
+        and current is not wanted
+        and not (isinstance(current, type) and issubclass(current, wanted))
+    ):
         raise ValueError(
             f"this stage declares CFG pairs but its scheduler_cls is {current!r}; leave scheduler_cls unset "
             f"(the pairing scheduler {wanted.__qualname__} is selected for it) or subclass {wanted.__qualname__}"

@@ -162,7 +162,7 @@ def _reorder_waiting(scheduler: Any) -> None:
                 if id(member) not in emitted:
                     emitted.add(id(member))
                     ordered.append(member)
-        if any(a is not b for a, b in zip(ordered, entries)):
+        if any(a is not b for a, b in zip(ordered, entries, strict=True)):
             queue.clear()
             queue.extend(ordered)
 
@@ -179,9 +179,7 @@ def _hold_incomplete_pairs(scheduler: Any, hold_counts: dict[str, int]) -> list[
     """
     queues = _waiting_queues(scheduler)
     all_pairs_complete = len(scheduler._cfg_req_to_pair) == 2 * len(scheduler._cfg_pairs)
-    if all_pairs_complete and not any(
-        queue for queue in queues if queue is not scheduler.waiting
-    ):
+    if all_pairs_complete and not any(queue for queue in queues if queue is not scheduler.waiting):
         # Every pair is complete and only one queue holds requests: nobody
         # needs holding, and any leftover counter is obsolete.
         hold_counts.clear()
@@ -192,7 +190,7 @@ def _hold_incomplete_pairs(scheduler: Any, hold_counts: dict[str, int]) -> list[
         request.request_id: index for index, members in enumerate(members_per_queue) for request in members
     }
     held: list[tuple[Any, Any]] = []
-    for index, (queue, members) in enumerate(zip(queues, members_per_queue)):
+    for index, (queue, members) in enumerate(zip(queues, members_per_queue, strict=True)):
         to_hold = []
         for request in members:
             request_id = request.request_id
@@ -290,7 +288,6 @@ def _settle_pairs(scheduler: Any, pairs_apart: list[Hashable]) -> None:
                 roles.get(pair_ids.UNCOND_ROLE),
             )
             _release_pair(scheduler, pair_id)
-
 
 
 # ---------------------------------------------------------------- the mixin

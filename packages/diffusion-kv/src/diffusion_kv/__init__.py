@@ -1,10 +1,12 @@
 """Paged KV cache for diffusion transformers: atomic CFG reservation over vLLM's KVCacheManager, shared contexts,
 scheduler admission, worker block tables and paged non-causal attention."""
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
-# --- control plane (requests, metadata, manager, scheduler) ---
+from diffusion_kv._validation import cdiv
 from diffusion_kv.allocator import BlockAllocator, BlockPoolConfig, BuiltinBlockPool
+from diffusion_kv.batch import BatchRow, PreparedBatch, prepare_batch
+from diffusion_kv.cache import allocate_kv_caches
 from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
 from diffusion_kv.manager import DiffusionKVCacheManager
 from diffusion_kv.metadata import (
@@ -12,6 +14,7 @@ from diffusion_kv.metadata import (
     DiffusionKVMetadata,
     DiffusionKVSequenceMetadata,
 )
+from diffusion_kv.ops import PagedAttentionMetadata, paged_attention, write_kv_cache
 from diffusion_kv.request import (
     DiffusionKVContext,
     DiffusionKVRequest,
@@ -24,16 +27,16 @@ from diffusion_kv.scheduler import (
     NewRequestData,
     RequestState,
     SchedulerOutput,
+    SchedulingPolicy,
     validate_new_request_data_identity,
 )
-# --- end control plane ---
-
-# --- data plane (attention opt-in, specs, sizing, row table, batches, paged K/V ops) ---
-from diffusion_kv._validation import cdiv
-from diffusion_kv.batch import BatchRow, PreparedBatch, prepare_batch
-from diffusion_kv.cache import allocate_kv_caches
-from diffusion_kv.ops import PagedAttentionMetadata, paged_attention, write_kv_cache
-from diffusion_kv.sizing import KVCacheConfigs, build_kv_cache_configs, determine_available_kv_memory
+from diffusion_kv.sizing import (
+    KVCacheConfigs,
+    KVPoolSizing,
+    build_kv_cache_configs,
+    requested_device_memory,
+    size_kv_pool,
+)
 from diffusion_kv.specs import (
     PRIMARY_CACHE_ROLE,
     AttentionCacheSpec,
@@ -42,7 +45,6 @@ from diffusion_kv.specs import (
     registered_roles,
 )
 from diffusion_kv.worker import RowIdentity, WorkerRowTable
-# --- end data plane ---
 
 __all__ = [
     # control plane
@@ -62,6 +64,7 @@ __all__ = [
     "RequestState",
     "RequestStatus",
     "SchedulerOutput",
+    "SchedulingPolicy",
     "context_request_id",
     "sequence_request_id",
     "validate_new_request_data_identity",
@@ -71,6 +74,7 @@ __all__ = [
     "BatchRow",
     "KVCacheConfigs",
     "KVCacheOptIn",
+    "KVPoolSizing",
     "PagedAttentionMetadata",
     "PreparedBatch",
     "RowIdentity",
@@ -78,10 +82,11 @@ __all__ = [
     "allocate_kv_caches",
     "build_kv_cache_configs",
     "cdiv",
-    "determine_available_kv_memory",
     "discover_kv_cache_specs",
     "paged_attention",
     "prepare_batch",
     "registered_roles",
+    "requested_device_memory",
+    "size_kv_pool",
     "write_kv_cache",
 ]

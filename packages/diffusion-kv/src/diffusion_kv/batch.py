@@ -170,7 +170,7 @@ def prepare_batch(
         raise ValueError(
             f"Paged attention batch has {num_tokens} tokens, more than max_num_batched_tokens={max_num_batched_tokens}"
         )
-    for row, entry in zip(rows, installed):
+    for row, entry in zip(rows, installed, strict=True):
         if row.seq_len > entry.num_tokens:
             raise ValueError(
                 f"row {row.identity}: seq_len={row.seq_len} is beyond its installed length of {entry.num_tokens} tokens"

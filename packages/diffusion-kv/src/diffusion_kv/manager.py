@@ -8,7 +8,7 @@ reserves all of them or none.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from diffusion_kv._validation import is_positive_int
 from diffusion_kv.allocator import AllocatorChoice, BlockAllocator, BlockPoolConfig, build_block_allocator
@@ -21,6 +21,23 @@ from diffusion_kv.metadata import (
 from diffusion_kv.request import DiffusionKVContext, DiffusionKVRequest, _ContextKVRequest, sequence_request_id
 
 _Row = DiffusionKVRequest | _ContextKVRequest
+
+
+class _Reservation(NamedTuple):
+    """A checked reservation: its sequences, its deduplicated contexts and their shims, every row's internal
+    id, and the blocks the rows take from the pool."""
+
+    sequences: tuple[DiffusionKVRequest, ...]
+    contexts: tuple[DiffusionKVContext, ...]
+    context_ids_by_sequence: Sequence[tuple[str, ...]]
+    shims: tuple[_ContextKVRequest, ...]
+    internal_ids: list[str]
+    required_blocks: int
+
+    @property
+    def rows(self) -> tuple[_Row, ...]:
+        """Allocation order: sequences, then contexts."""
+        return self.sequences + self.shims
 
 
 class DiffusionKVCacheManager:
@@ -139,6 +156,16 @@ class DiffusionKVCacheManager:
 
     # -- reservation -----------------------------------------------------------------
 
+    def blocks_required(self, public_request_id: str, kv_requests: Sequence[DiffusionKVRequest]) -> int:
+        """Blocks ``reserve_request`` takes from the pool for this request: every CFG row and every
+        deduplicated context.
+
+        Runs exactly the checks ``reserve_request`` runs before its first allocation and raises what it
+        would raise (``DiffusionKVAdmissionError`` for a request that can never be admitted as written,
+        one that cannot fit even the empty pool included); it never touches the pool.
+        """
+        return self._plan_reservation(public_request_id, kv_requests).required_blocks
+
     def reserve_request(
         self,
         public_request_id: str,
@@ -146,9 +173,52 @@ class DiffusionKVCacheManager:
     ) -> DiffusionKVMetadata | None:
         """Reserve every CFG row and every deduplicated context, or nothing.
 
-        Every check below runs before the first allocation, so a rejected
+        Every check (``blocks_required``) runs before the first allocation, so a rejected
         request never touches the pool.
         """
+        plan = self._plan_reservation(public_request_id, kv_requests)
+        block_ids = self._allocate_rows(plan.rows)
+        if block_ids is None:
+            return None
+
+        # Positional construction: this is the hot path of every admission.
+        sequences, contexts, context_ids_by_sequence = plan.sequences, plan.contexts, plan.context_ids_by_sequence
+        num_sequences = len(sequences)
+        metadata = DiffusionKVMetadata(
+            public_request_id,
+            self._next_allocation_generation,
+            tuple(
+                [
+                    DiffusionKVSequenceMetadata(
+                        sequence.sequence_id,
+                        sequence.prefix_len,
+                        sequence.target_len,
+                        sequence.num_tokens,
+                        block_ids[index],
+                        context_ids_by_sequence[index],
+                        sequence.num_computed_tokens,
+                    )
+                    for index, sequence in enumerate(sequences)
+                ]
+            ),
+            tuple(
+                [
+                    DiffusionKVContextMetadata(
+                        context.context_id, context.cache_role, context.num_tokens, block_ids[num_sequences + index]
+                    )
+                    for index, context in enumerate(contexts)
+                ]
+            ),
+        )
+        self._next_allocation_generation += 1
+        self._requests[public_request_id] = sequences
+        self._context_requests[public_request_id] = plan.shims
+        self._metadata[public_request_id] = metadata
+        self._internal_request_ids.update(plan.internal_ids)
+        return metadata
+
+    def _plan_reservation(self, public_request_id: str, kv_requests: Sequence[DiffusionKVRequest]) -> _Reservation:
+        """Every pre-allocation check of a reservation; the rows to allocate and the blocks they take."""
         if not isinstance(public_request_id, str) or not public_request_id:
             raise DiffusionKVAdmissionError("public_request_id must be non-empty")
         if public_request_id in self._metadata:
@@ -217,45 +287,7 @@ class DiffusionKVCacheManager:
                 f"required_blocks={required_blocks}, available_blocks={self._empty_pool_num_free_blocks}; "
                 "increase KV cache capacity or reduce the request sequence/context count or length"
             )
-
-        block_ids = self._allocate_rows(rows)
-        if block_ids is None:
-            return None
-
-        # Positional construction: this is the hot path of every admission.
-        num_sequences = len(sequences)
-        metadata = DiffusionKVMetadata(
-            public_request_id,
-            self._next_allocation_generation,
-            tuple(
-                [
-                    DiffusionKVSequenceMetadata(
-                        sequence.sequence_id,
-                        sequence.prefix_len,
-                        sequence.target_len,
-                        sequence.num_tokens,
-                        block_ids[index],
-                        context_ids_by_sequence[index],
-                        sequence.num_computed_tokens,
-                    )
-                    for index, sequence in enumerate(sequences)
-                ]
-            ),
-            tuple(
-                [
-                    DiffusionKVContextMetadata(
-                        context.context_id, context.cache_role, context.num_tokens, block_ids[num_sequences + index]
-                    )
-                    for index, context in enumerate(contexts)
-                ]
-            ),
-        )
-        self._next_allocation_generation += 1
-        self._requests[public_request_id] = sequences
-        self._context_requests[public_request_id] = shims
-        self._metadata[public_request_id] = metadata
-        self._internal_request_ids.update(internal_ids)
-        return metadata
+        return _Reservation(sequences, contexts, context_ids_by_sequence, shims, internal_ids, required_blocks)
 
     def _allocate_rows(self, rows: Sequence[_Row]) -> list[tuple[list[int], ...]] | None:
         """Allocate rows in order (sequences, then contexts); undo all on ``None`` or an exception."""

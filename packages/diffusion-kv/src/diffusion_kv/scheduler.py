@@ -8,46 +8,77 @@ An engine drives it in a loop::
     finished = scheduler.update_from_output(output, completed=done_ids)
     state = scheduler.pop_request_state(id)   # read .status/.error; frees the id for reuse
 
-Admission rules:
+Admission rules (both policies):
 
-- FIFO, head of the queue only: the head is admitted or the pass stops.
-- Capacity is backpressure: when the head's reservation returns ``None`` it
-  stays at the head (owning nothing) and is retried on a later pass.
+- Every waiting request is in ``waiting``, oldest first; each ``schedule()``
+  admits from it while fewer than ``max_num_seqs`` requests run.
+- Capacity is backpressure: a request whose reservation returns ``None``
+  waits, owning nothing, and is retried on a later pass.
 - A request-caused failure (``DiffusionKVAdmissionError``, e.g. a request that
   can never fit the empty pool) finishes *that* request with
   ``FINISHED_ERROR`` and its message, and admission continues with the next
   waiter in the same pass.
-- Anything else raised while reserving is an invariant failure: the scheduler
-  marks itself dead and raises ``DiffusionKVInvariantError`` (engine-fatal);
-  it is never reported as one request's error.
+- Anything else raised while checking or reserving is an invariant failure:
+  the scheduler marks itself dead and raises ``DiffusionKVInvariantError``
+  (engine-fatal); it is never reported as one request's error.
 - Preemption keeps the reservation and the Worker rows and puts the request
   back at the *head* of the queue, so it resumes ahead of every new request.
 
+The policy (``SchedulingPolicy``, vLLM's ``policy=`` pattern) decides what a
+request that does not fit does to the requests behind it:
+
+- ``"fcfs"``: head of the queue only. A head that does not fit stops the pass;
+  everything behind it waits too.
+- ``"fair"``: a later request that fits *now* (``manager.blocks_required``
+  against the free blocks) may overtake an older one that does not, so a small
+  request behind a big one that must wait anyway runs at once. Two rules keep
+  it fair and correct:
+
+  - no starvation: once the oldest waiting request has been overtaken
+    ``max_overtakes`` times, nothing overtakes it any more and the blocks
+    freed from then on accumulate for it. The count restarts when the oldest
+    is admitted or nothing is waiting; when the oldest leaves otherwise
+    (aborted, failed) the next oldest takes the count over;
+  - fail fast: every pass first checks each newly waiting request
+    (``blocks_required``), so one at fault, one that can never fit the empty
+    pool included, fails at once, alone, whether or not a running slot is free.
+
 Worker-row safety: the Worker row pool has ``max_num_seqs *
 max_rows_per_request`` rows, and only running and preempted requests hold
-rows (and reservations). Because preempted requests re-enter at the
-head and admission never skips the head, running + preempted requests never
-exceed ``max_num_seqs``, so their rows always fit. ``schedule()`` asserts this
+rows (and reservations). Preempted requests re-enter at the head, and
+admission never passes a preempted request (it holds its reservation, so it
+always fits), so running + preempted requests never exceed ``max_num_seqs``
+and their rows always fit. ``schedule()`` asserts this
 (``DiffusionKVInvariantError``) instead of trusting it: any future queue
-reordering that breaks FIFO fails loudly here rather than as a Worker
+reordering that breaks this fails loudly here rather than as a Worker
 "only 0 rows are free" error.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
-from diffusion_kv._validation import is_positive_int
+from diffusion_kv._validation import is_int, is_positive_int
 from diffusion_kv.errors import DiffusionKVAdmissionError, DiffusionKVInvariantError
 from diffusion_kv.manager import DiffusionKVCacheManager
 from diffusion_kv.metadata import DiffusionKVMetadata
 from diffusion_kv.request import DiffusionKVRequest, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_OVERTAKES = 16
+
+
+class SchedulingPolicy(str, enum.Enum):
+    """Which waiting requests a ``schedule()`` may admit (see the module docstring)."""
+
+    FCFS = "fcfs"  # the head of the queue only
+    FAIR = "fair"  # a request that fits now may overtake one that does not, a bounded number of times
 
 
 class SchedulableRequest(Protocol):
@@ -72,6 +103,8 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     allocation_generation: int | None = None
+    # Blocks its reservation takes (``manager.blocks_required``); the fair policy checks a request once.
+    blocks_required: int | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -128,17 +161,33 @@ class SchedulerOutput:
 
 
 class DiffusionKVScheduler:
-    """FIFO admission and request lifecycle with atomic KV reservations.
+    """Admission under a ``SchedulingPolicy`` and request lifecycle with atomic KV reservations.
 
     ``max_num_seqs`` public requests run at once; the Worker row pool this
     scheduler guarantees never to exceed is ``max_num_seqs *
     manager.max_rows_per_request`` rows (``worker_row_pool_size``).
+    ``max_overtakes`` bounds how often the ``"fair"`` policy lets later requests
+    overtake the oldest waiting one.
     """
 
-    def __init__(self, manager: DiffusionKVCacheManager, *, max_num_seqs: int = 1) -> None:
+    def __init__(
+        self,
+        manager: DiffusionKVCacheManager,
+        *,
+        max_num_seqs: int = 1,
+        policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
+        max_overtakes: int = DEFAULT_MAX_OVERTAKES,
+    ) -> None:
         if not is_positive_int(max_num_seqs):
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        if policy not in tuple(SchedulingPolicy):
+            choices = ", ".join(repr(p.value) for p in SchedulingPolicy)
+            raise ValueError(f"policy must be one of {choices}, got {policy!r}")
+        if not is_int(max_overtakes) or max_overtakes < 0:
+            raise ValueError(f"max_overtakes must be an integer >= 0, got {max_overtakes!r}")
         self.manager = manager
+        self.policy = SchedulingPolicy(policy)
+        self.max_overtakes = max_overtakes
         self.max_num_running_reqs = max_num_seqs
         self.worker_row_pool_size = max_num_seqs * manager.max_rows_per_request
         self._states: dict[str, RequestState] = {}
@@ -148,6 +197,8 @@ class DiffusionKVScheduler:
         self._finished_for_workers: dict[str, int | None] = {}
         # Finished and not yet returned by update_from_output.
         self._finished_unreported: set[str] = set()
+        # Times later requests overtook the oldest waiting one (fair policy).
+        self._oldest_overtaken = 0
         self.fatal_error: BaseException | None = None
 
     # -- intake --------------------------------------------------------------------
@@ -175,7 +226,7 @@ class DiffusionKVScheduler:
     # -- scheduling ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Emit running requests, then admit waiting ones from the head of the queue."""
+        """Emit running requests, then admit waiting ones as the policy allows."""
         self._check_alive()
         output = SchedulerOutput()
         for request_id in self.running:
@@ -183,29 +234,43 @@ class DiffusionKVScheduler:
             output.scheduled_cached_reqs.append(
                 NewRequestData.from_state(state, diffusion_kv_metadata=self.manager.get_metadata(request_id))
             )
-        while self.waiting and len(self.running) < self.max_num_running_reqs:
-            request_id = self.waiting[0]
+        fair = self.policy is SchedulingPolicy.FAIR
+        if fair:
+            self._fail_inadmissible()
+        for request_id in list(self.waiting):
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            is_oldest = request_id == self.waiting[0]
+            if fair and not is_oldest and self._oldest_overtaken >= self.max_overtakes:
+                break  # the oldest has waited long enough: nobody overtakes it
             state = self._states[request_id]
             resumed = state.status == RequestStatus.PREEMPTED
             if resumed:  # it kept its reservation (and its Worker rows)
                 metadata = self.manager.get_metadata(request_id)
+            elif fair and state.blocks_required > self.manager.get_num_free_blocks():
+                continue  # does not fit now: a later request may
             else:
                 try:
                     metadata = self.manager.reserve_request(request_id, state.kv_requests)
                 except DiffusionKVAdmissionError as exc:
-                    self.waiting.popleft()
+                    self.waiting.remove(request_id)
                     self._finish(state, RequestStatus.FINISHED_ERROR, error=str(exc))
                     continue
                 except Exception as exc:
                     self._die(exc, f"reserving KV for request {request_id!r}")
-                if metadata is None:
-                    break  # capacity: the head waits, owning nothing
-            self.waiting.popleft()
+                if metadata is None:  # capacity: it waits, owning nothing
+                    if fair:
+                        continue
+                    break
+            self.waiting.remove(request_id)
             state.status = RequestStatus.RUNNING
             state.allocation_generation = metadata.allocation_generation
             self.running.append(request_id)
             envelope = NewRequestData.from_state(state, diffusion_kv_metadata=metadata)
             (output.scheduled_cached_reqs if resumed else output.scheduled_new_reqs).append(envelope)
+            self._oldest_overtaken = 0 if is_oldest else self._oldest_overtaken + 1
+        if not self.waiting:
+            self._oldest_overtaken = 0
 
         self._assert_installed_rows_fit()
         output.finished_req_ids = set(self._finished_for_workers)
@@ -228,8 +293,8 @@ class DiffusionKVScheduler:
             self._die(
                 DiffusionKVInvariantError(
                     f"installed Worker rows ({rows}, running + preempted requests {sorted(installed)}) exceed the "
-                    f"row pool of {self.worker_row_pool_size}; admission must stay FIFO with preempted requests "
-                    "at the head of the queue"
+                    f"row pool of {self.worker_row_pool_size}; admission must never pass a preempted request, "
+                    "and preempted requests stay at the head of the queue"
                 ),
                 "checking the Worker row pool",
             )
@@ -272,6 +337,8 @@ class DiffusionKVScheduler:
                 self.running.remove(request_id)
             else:
                 self.waiting.remove(request_id)
+                if not self.waiting:
+                    self._oldest_overtaken = 0
             self._finish(state, status)
 
     def preempt_request(self, request_id: str) -> bool:
@@ -316,8 +383,23 @@ class DiffusionKVScheduler:
         self._states.clear()
         self._finished_for_workers.clear()
         self._finished_unreported.clear()
+        self._oldest_overtaken = 0
 
     # -- internals ---------------------------------------------------------------------
+
+    def _fail_inadmissible(self) -> None:
+        """Check every newly waiting request once; finish the ones at fault at once (fair policy)."""
+        for request_id in list(self.waiting):
+            state = self._states[request_id]
+            if state.status == RequestStatus.PREEMPTED or state.blocks_required is not None:
+                continue
+            try:
+                state.blocks_required = self.manager.blocks_required(request_id, state.kv_requests)
+            except DiffusionKVAdmissionError as exc:
+                self.waiting.remove(request_id)
+                self._finish(state, RequestStatus.FINISHED_ERROR, error=str(exc))
+            except Exception as exc:
+                self._die(exc, f"checking KV for request {request_id!r}")
 
     def _finish(self, state: RequestState, status: RequestStatus, *, error: str | None = None) -> None:
         state.status = status
@@ -341,10 +423,12 @@ class DiffusionKVScheduler:
 
 
 __all__ = [
+    "DEFAULT_MAX_OVERTAKES",
     "DiffusionKVScheduler",
     "NewRequestData",
     "RequestState",
     "SchedulableRequest",
     "SchedulerOutput",
+    "SchedulingPolicy",
     "validate_new_request_data_identity",
 ]

@@ -166,12 +166,13 @@ class WorkerRowTable:
         del self._free_rows[len(self._free_rows) - len(rows) :]
         installed_rows = tuple(
             InstalledRow(index, identity, role, num_tokens)
-            for index, (identity, role, num_tokens, _) in zip(indices, rows)
+            for index, (identity, role, num_tokens, _) in zip(indices, rows, strict=True)
         )
         for row in installed_rows:
             self._rows[row.identity] = row
-        self._requests[metadata.request_id] = _InstalledRequest(metadata.allocation_generation, metadata,
-                                                                installed_rows)
+        self._requests[metadata.request_id] = _InstalledRequest(
+            metadata.allocation_generation, metadata, installed_rows
+        )
         return True
 
     def _reinstall(self, installed: _InstalledRequest, metadata: DiffusionKVMetadata) -> bool:
@@ -236,7 +237,9 @@ class WorkerRowTable:
                 raise ValueError(f"Diffusion KV row {identity} has {len(groups)} block groups; expected 1")
             block_ids = groups[0]
             if not isinstance(block_ids, list):
-                raise ValueError(f"Diffusion KV row {identity} block ids must be a list, got {type(block_ids).__name__}")
+                raise ValueError(
+                    f"Diffusion KV row {identity} block ids must be a list, got {type(block_ids).__name__}"
+                )
             expected = cdiv(num_tokens, self.block_size)
             if len(block_ids) != expected:
                 raise ValueError(

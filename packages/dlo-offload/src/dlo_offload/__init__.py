@@ -1,4 +1,5 @@
-"""Distributed layerwise offload: block weights on the host (pinned or mmap), sharded across ranks, streamed into two device slots while the previous block computes."""
+"""Distributed layerwise offload: block weights on the host (pinned or mmap), sharded across ranks, streamed into two
+device slots while the previous block computes."""
 
 from __future__ import annotations
 
@@ -9,38 +10,20 @@ from .checkpoint import (
     build_checkpoint_mmap_plan,
     load_checkpoint,
 )
-from .executor import LayerwiseOffload, SlotState, enable_layerwise_offload
+from .executor import LayerwiseOffload, SlotState, check_allgather_plan, enable_layerwise_offload
 from .host_store import HostBlockStore, allocate_host_bytes
 from .layout import BlockLayout, TensorEntry, storage_span
-from .parallel import (
-    ModelParallelGroups,
-    RankGenerator,
-    destroy_model_parallel,
-    dlo_group_size,
-    get_model_parallel_groups,
-    initialize_model_parallel,
-    resolve_data_parallel_size,
-    select_dlo_group,
-)
 from .plan import OffloadPlan, ResolvedPlan, resolve_plan
 from .wave import DPWaveCoordinator, WaveFailedError, WaveRefusedError, WaveRequest, validate_wave
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "BlockLayout",
     "DPWaveCoordinator",
-    "ModelParallelGroups",
-    "RankGenerator",
     "WaveFailedError",
     "WaveRefusedError",
     "WaveRequest",
-    "destroy_model_parallel",
-    "dlo_group_size",
-    "get_model_parallel_groups",
-    "initialize_model_parallel",
-    "resolve_data_parallel_size",
-    "select_dlo_group",
     "validate_wave",
     "HostBlockStore",
     "HostWeightPlan",
@@ -53,6 +36,7 @@ __all__ = [
     "TensorEntry",
     "allocate_host_bytes",
     "build_checkpoint_mmap_plan",
+    "check_allgather_plan",
     "enable_layerwise_offload",
     "load_checkpoint",
     "resolve_plan",

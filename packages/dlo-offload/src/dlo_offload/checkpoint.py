@@ -135,7 +135,7 @@ def checkpoint_files(checkpoint: CheckpointSource) -> list[str]:
 def _required_tensors(model: nn.Module, plan: OffloadPlan) -> dict[str, torch.Tensor]:
     resolved = resolve_plan(model, plan)
     required: dict[str, torch.Tensor] = {}
-    for block_name, block in zip(resolved.block_names, resolved.blocks):
+    for block_name, block in zip(resolved.block_names, resolved.blocks, strict=True):
         for name, tensor in (*block.named_parameters(), *persistent_buffers(block).items()):
             required[f"{block_name}.{name}"] = tensor
     if not required:
@@ -176,7 +176,9 @@ def _preflight(
         raise _Incompatible(f"no compatible safetensors entries under {where!r} were found in the checkpoint")
     missing = sorted(set(required) - set(bindings))
     if missing:
-        raise _Incompatible(f"{len(missing)} required block tensors have no checkpoint binding (first 5: {missing[:5]})")
+        raise _Incompatible(
+            f"{len(missing)} required block tensors have no checkpoint binding (first 5: {missing[:5]})"
+        )
     if strays:
         raise _Incompatible(
             f"{len(strays)} checkpoint entries under {where!r} match no block tensor (first 5: {sorted(strays)[:5]})"

@@ -48,6 +48,17 @@ RESIDENT_ALLGATHER_ERROR = (
 )
 
 
+def check_allgather_plan(resident_blocks: int, *, use_allgather: bool) -> None:
+    """The rule sharding over a group imposes on a plan, checkable before any model or group exists.
+
+    Resident blocks keep the weights the model's own loader put on each rank, which only rank-local mode streams
+    alongside, so ``resident_blocks > 0`` with ``use_allgather=True`` is a ``ValueError`` saying what to change.
+    ``enable_layerwise_offload`` applies it whenever it is given a group.
+    """
+    if use_allgather and resident_blocks > 0:
+        raise ValueError(RESIDENT_ALLGATHER_ERROR.format(n=resident_blocks))
+
+
 @dataclass
 class _StreamedBlock:
     name: str
@@ -155,8 +166,8 @@ class LayerwiseOffload:
                     "a process group; call torch.distributed.init_process_group first, or pass group=None"
                 )
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        if use_allgather and group is not None and resolved.resident_count > 0:
-            raise ValueError(RESIDENT_ALLGATHER_ERROR.format(n=plan.resident_blocks))
+        if group is not None:
+            check_allgather_plan(plan.resident_blocks, use_allgather=use_allgather)
         self.mode = "allgather" if use_allgather and self.world_size > 1 else "rank_local"
         if use_allgather and group is not None and self.world_size == 1:
             logger.info("Distributed layerwise offload: DLO group has one rank; streaming rank-local blocks")
@@ -166,7 +177,7 @@ class LayerwiseOffload:
 
         streamed = resolved.streamed
         tensors = [block_tensors(block) for _, block in streamed]
-        for (block_name, _), block_ts in zip(streamed, tensors):
+        for (block_name, _), block_ts in zip(streamed, tensors, strict=True):
             for local, _, tensor in block_ts:
                 if type(tensor) not in (torch.Tensor, nn.Parameter):
                     raise ValueError(
@@ -280,9 +291,9 @@ class LayerwiseOffload:
                 if planned:
                     # The runtime tensor's layout wins (as for streamed blocks), and the copy
                     # keeps the model from aliasing the checkpoint file.
-                    value = torch.empty_strided(
-                        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
-                    ).copy_(value)
+                    value = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device).copy_(
+                        value
+                    )
                 set_tensor(owner, attr, kind, value.to(device))
                 self.resident_nbytes += value.numel() * value.element_size()
 
@@ -303,7 +314,7 @@ class LayerwiseOffload:
         for slot in self._slots:
             slot.free.record(ops.current_stream())
         empty = {}
-        for (name, block), block_ts, layout in zip(streamed, tensors, layouts):
+        for (name, block), block_ts, layout in zip(streamed, tensors, layouts, strict=True):
             by_name = {local: (kind, tensor) for local, kind, tensor in block_ts}
             targets, placeholders = [], []
             for entry in layout.entries:
@@ -369,7 +380,7 @@ class LayerwiseOffload:
                 self._fill(k, index)
             slot = self._slots[index]
             self._ops.current_stream().wait_event(slot.ready)
-            for (owner, attr, entry), view in zip(block.targets, block.slot_views[index]):
+            for (owner, attr, entry), view in zip(block.targets, block.slot_views[index], strict=True):
                 set_tensor(owner, attr, entry.kind, view)
             slot.state = SlotState.COMPUTING
             self._last_slot = block.active_slot = index
@@ -389,7 +400,7 @@ class LayerwiseOffload:
             if forward_range is not None:
                 forward_range.__exit__(None, None, None)
             block = self._streamed[k]
-            for (owner, attr, entry), placeholder in zip(block.targets, block.placeholders):
+            for (owner, attr, entry), placeholder in zip(block.targets, block.placeholders, strict=True):
                 set_tensor(owner, attr, entry.kind, placeholder)
             slot = self._slots[block.active_slot]
             if slot.state is SlotState.COMPUTING and slot.tenant == k:
@@ -417,7 +428,7 @@ class LayerwiseOffload:
             if self._slots[0].tenant != k:
                 self._fill(k, 0)
             self._ops.synchronize()
-            for (owner, attr, entry), view in zip(block.targets, block.slot_views[0]):
+            for (owner, attr, entry), view in zip(block.targets, block.slot_views[0], strict=True):
                 host = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="cpu")
                 set_tensor(owner, attr, entry.kind, host.copy_(view))
             self._slots[0].free.record(self._ops.current_stream())
@@ -476,8 +487,12 @@ def enable_layerwise_offload(
         device: the compute device (``"cuda"``, ``"cuda:N"`` or ``"cpu"``; on CPU
             streams and events are no-ops and the same packing/paging path runs).
         pin_memory: pin host copies (CUDA only); a refused pin warns and falls back.
-        group: the DLO process group (DP group, else SP group; never TP). With more
-            than one rank and `use_allgather`, each rank keeps 1/G of every block.
+        group: the process group to shard over. With more than one rank and
+            `use_allgather`, each rank keeps 1/G of every block and the block is
+            rebuilt by all-gather, so every rank of it must build the same model
+            with the same plan (checked: the block layouts must agree, which a
+            tensor-parallel group's shards never do) and run every streamed block's
+            forward together, in the same order. The caller's topology picks it.
         use_allgather: shard across `group` and rebuild by all-gather; False streams
             whole blocks from each rank's own host copy (required for resident blocks).
         host_weights: a plan from `build_checkpoint_mmap_plan`; block tensors are then
@@ -502,7 +517,10 @@ def enable_layerwise_offload(
         raise
     logger.info(
         "layerwise offload enabled (%s, %d streamed blocks, slot %.1f MiB x2, host %.1f MiB%s)",
-        handle.mode, len(handle._streamed), handle.slot_nbytes / 2**20, handle.host_nbytes / 2**20,
+        handle.mode,
+        len(handle._streamed),
+        handle.slot_nbytes / 2**20,
+        handle.host_nbytes / 2**20,
         ", pinned" if handle.pinned else "",
     )
     return handle

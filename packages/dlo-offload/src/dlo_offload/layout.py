@@ -28,7 +28,7 @@ def storage_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Number of elements between a tensor's first and last addressed element, inclusive."""
     if any(size == 0 for size in shape):
         return 0
-    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
 
 
 def _cdiv(numerator: int, denominator: int) -> int:
@@ -110,7 +110,7 @@ def plan_layout(specs: list[tuple[str, TensorKind, torch.dtype, tuple[int, ...],
     by_dtype: dict[torch.dtype, list[tuple[str, TensorKind, torch.dtype, tuple[int, ...], tuple[int, ...]]]] = {}
     for spec in specs:
         name, _, _, shape, stride = spec
-        if any(step == 0 and size > 1 for size, step in zip(shape, stride)):
+        if any(step == 0 and size > 1 for size, step in zip(shape, stride, strict=True)):
             raise ValueError(
                 f"tensor {name!r} has overlapping memory (a stride of 0, e.g. from expand()); "
                 "make it contiguous before enabling layerwise offload"
@@ -130,9 +130,7 @@ def layout_of(tensors: list[tuple[str, TensorKind, torch.Tensor]]) -> BlockLayou
     return plan_layout([(n, k, t.dtype, tuple(t.shape), tuple(t.stride())) for n, k, t in tensors])
 
 
-def pack_range(
-    dst: torch.Tensor, start: int, layout: BlockLayout, sources: dict[str, torch.Tensor]
-) -> None:
+def pack_range(dst: torch.Tensor, start: int, layout: BlockLayout, sources: dict[str, torch.Tensor]) -> None:
     """Write bytes ``[start, start + dst.numel())`` of the packed block into `dst`.
 
     `dst` is a CPU ``uint8`` tensor. Only the entries overlapping the range are read,

@@ -57,12 +57,9 @@ class OffloadPlan:
             raise TypeError(f"OffloadPlan.resident_blocks must be an int, got {self.resident_blocks!r}")
         if self.resident_blocks < 0:
             raise ValueError(f"OffloadPlan.resident_blocks must be >= 0, got {self.resident_blocks}")
-        if isinstance(self.resident_modules, str) or not all(
-            isinstance(p, str) and p for p in self.resident_modules
-        ):
+        if isinstance(self.resident_modules, str) or not all(isinstance(p, str) and p for p in self.resident_modules):
             raise TypeError(
-                "OffloadPlan.resident_modules must be a tuple of non-empty dotted paths, "
-                f"got {self.resident_modules!r}"
+                f"OffloadPlan.resident_modules must be a tuple of non-empty dotted paths, got {self.resident_modules!r}"
             )
         object.__setattr__(self, "resident_modules", tuple(self.resident_modules))
         if len(set(self.resident_modules)) != len(self.resident_modules):
@@ -91,11 +88,11 @@ class ResolvedPlan:
 
     @property
     def streamed(self) -> tuple[tuple[str, nn.Module], ...]:
-        return tuple(zip(self.block_names, self.blocks))[self.resident_count :]
+        return tuple(zip(self.block_names, self.blocks, strict=True))[self.resident_count :]
 
     @property
     def resident(self) -> tuple[tuple[str, nn.Module], ...]:
-        return tuple(zip(self.block_names, self.blocks))[: self.resident_count]
+        return tuple(zip(self.block_names, self.blocks, strict=True))[: self.resident_count]
 
 
 def _lookup(model: nn.Module, path: str, field: str) -> nn.Module:
@@ -146,7 +143,7 @@ def resolve_plan(model: nn.Module, plan: OffloadPlan) -> ResolvedPlan:
         names += tuple(f"{path}.{i}" for i in range(len(listed)))
 
     seen: dict[int, str] = {}
-    for name, block in zip(names, blocks):
+    for name, block in zip(names, blocks, strict=True):
         for tid in _tensor_ids(block):
             if tid in seen and seen[tid] != name:
                 raise ValueError(
@@ -176,6 +173,8 @@ def resolve_plan(model: nn.Module, plan: OffloadPlan) -> ResolvedPlan:
     if plan.resident_blocks > len(blocks):
         logger.warning(
             "resident_blocks=%d exceeds the %d blocks of %r; every block stays resident",
-            plan.resident_blocks, len(blocks), plan.blocks,
+            plan.resident_blocks,
+            len(blocks),
+            plan.blocks,
         )
     return ResolvedPlan(blocks, names, resident_count, tuple(resident_modules))

@@ -8,7 +8,7 @@ weights on a device from a hit (bit-identical to online quantization) or quantiz
 :func:`load_fp8_cache_manifest` / :func:`check_artifact` / :func:`verify_artifact` validate without raising.
 """
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 from fp8_cache.artifact import (
     CACHE_COMPLETE_NAME,
@@ -36,6 +36,7 @@ from fp8_cache.build import (
     select_quantized,
 )
 from fp8_cache.linear import (
+    ActivationScaling,
     FP8Activation,
     FP8Linear,
     QuantizationReport,
@@ -58,8 +59,10 @@ from fp8_cache.quant import (
     per_tensor_scale,
     quantize_per_tensor,
 )
+from fp8_cache.safetensors_io import SAFETENSORS_DTYPES
 
 __all__ = [
+    "ActivationScaling",
     "CACHE_COMPLETE_NAME",
     "CACHE_INDEX_NAME",
     "CACHE_KIND",
@@ -69,6 +72,7 @@ __all__ = [
     "FP8_MAX",
     "MIN_SCALE",
     "QUANTIZATION_CONTRACT",
+    "SAFETENSORS_DTYPES",
     "BuildResult",
     "CacheManifest",
     "Expectation",

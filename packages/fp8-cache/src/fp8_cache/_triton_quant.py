@@ -38,8 +38,7 @@ def _amax_kernel(x_ptr, amax_ptr, n_elements, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scale_and_cast_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, n_elements, fp8_max, min_scale,
-                           BLOCK: tl.constexpr):
+def _scale_and_cast_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, n_elements, fp8_max, min_scale, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     scale = tl.maximum(tl.load(amax_ptr) / fp8_max, min_scale)
     if pid == 0:
@@ -66,8 +65,18 @@ def quantize_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, width, stride_x, stride_out, fp8_max, min_scale,
-                          BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+def _quantize_rows_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    width,
+    stride_x,
+    stride_out,
+    fp8_max,
+    min_scale,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -98,7 +107,16 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return out, scale
     block = min(triton.next_power_of_2(width), _ROW_BLOCK_MAX)
     _quantize_rows_kernel[(rows,)](
-        x, out, scale, width, x.stride(0), out.stride(0), FP8_MAX, MIN_SCALE,
-        BLOCK=block, NUM_CHUNKS=triton.cdiv(width, block), num_warps=4 if block <= 1024 else 8,
+        x,
+        out,
+        scale,
+        width,
+        x.stride(0),
+        out.stride(0),
+        FP8_MAX,
+        MIN_SCALE,
+        BLOCK=block,
+        NUM_CHUNKS=triton.cdiv(width, block),
+        num_warps=4 if block <= 1024 else 8,
     )
     return out, scale

@@ -213,13 +213,19 @@ def _check(root: Path, expect: Expectation, hash_shards: bool) -> CacheManifest:
     _require(marker == complete_marker(manifest_bytes), f"{CACHE_COMPLETE_NAME} does not match manifest.json")
 
     if expect.component is not None:
-        _require(manifest.component == expect.component,
-                 f"component {manifest.component!r} != requested {expect.component!r}")
-    _require(manifest.quantization == QUANTIZATION_CONTRACT,
-             f"quantization contract {manifest.quantization!r} != {QUANTIZATION_CONTRACT!r}")
+        _require(
+            manifest.component == expect.component,
+            f"component {manifest.component!r} != requested {expect.component!r}",
+        )
+    _require(
+        manifest.quantization == QUANTIZATION_CONTRACT,
+        f"quantization contract {manifest.quantization!r} != {QUANTIZATION_CONTRACT!r}",
+    )
     if expect.quantized is not None:
-        _require(set(manifest.quantized_tensors) == set(expect.quantized),
-                 "the set of quantized tensors differs from the requested one (ignore patterns changed?)")
+        _require(
+            set(manifest.quantized_tensors) == set(expect.quantized),
+            "the set of quantized tensors differs from the requested one (ignore patterns changed?)",
+        )
     if expect.source_files is not None:
         requested = sorted(os.path.abspath(os.fspath(s)) for s in expect.source_files)
         _require(requested == sorted(manifest.source_files), "the artifact was built from different source files")
@@ -227,27 +233,32 @@ def _check(root: Path, expect: Expectation, hash_shards: bool) -> CacheManifest:
         fingerprint = source_fingerprint(manifest.source_files)
     except OSError as exc:
         raise _Miss(f"cannot fingerprint the source files: {exc}") from None
-    _require(manifest.source_fingerprint == fingerprint,
-             "stale: source files changed (path, size or mtime) since the artifact was built")
+    _require(
+        manifest.source_fingerprint == fingerprint,
+        "stale: source files changed (path, size or mtime) since the artifact was built",
+    )
 
     component_dir = root / manifest.component
     index, _ = _decode(component_dir / CACHE_INDEX_NAME, "index", ShardIndex)
     weight_map = index.weight_map
-    _require(len(weight_map) == manifest.tensor_count,
-             f"tensor_count {manifest.tensor_count} != {len(weight_map)} indexed tensors")
+    _require(
+        len(weight_map) == manifest.tensor_count,
+        f"tensor_count {manifest.tensor_count} != {len(weight_map)} indexed tensors",
+    )
     by_shard: dict[str, set[str]] = {}
     for name, filename in weight_map.items():
         by_shard.setdefault(filename, set()).add(name)
-    _require(set(by_shard) == set(manifest.shards),
-             "the index and the manifest list different shards")
+    _require(set(by_shard) == set(manifest.shards), "the index and the manifest list different shards")
 
     quantized = set(manifest.quantized_tensors)
     total_size = 0
     for filename, record in manifest.shards.items():
         path = component_dir / filename
         _require(path.is_file() and not path.is_symlink(), f"shard {filename} is missing")
-        _require(path.stat().st_size == record.size,
-                 f"shard {filename} is {path.stat().st_size} bytes, manifest says {record.size}")
+        _require(
+            path.stat().st_size == record.size,
+            f"shard {filename} is {path.stat().st_size} bytes, manifest says {record.size}",
+        )
         try:
             specs = {spec.name: spec for spec in read_tensor_specs(path)}
         except SafetensorsFormatError as exc:
@@ -255,15 +266,21 @@ def _check(root: Path, expect: Expectation, hash_shards: bool) -> CacheManifest:
         _require(set(specs) == by_shard[filename], f"shard {filename} holds different tensors than the index says")
         total_size += sum(spec.nbytes for spec in specs.values())
         for name in quantized.intersection(specs):
-            _require(specs[name].dtype == FP8_DTYPE and len(specs[name].shape) == 2,
-                     f"quantized tensor {name!r} is not a 2-D {FP8_DTYPE}")
+            _require(
+                specs[name].dtype == FP8_DTYPE and len(specs[name].shape) == 2,
+                f"quantized tensor {name!r} is not a 2-D {FP8_DTYPE}",
+            )
         if hash_shards:
             _require(file_sha256(path) == record.sha256, f"shard {filename} fails its SHA-256 check")
-    _require(manifest.total_size == total_size == index.metadata.total_size,
-             f"total_size in the manifest/index disagrees with the shards' {total_size} tensor bytes")
+    _require(
+        manifest.total_size == total_size == index.metadata.total_size,
+        f"total_size in the manifest/index disagrees with the shards' {total_size} tensor bytes",
+    )
     for name in quantized:
-        _require(name in weight_map and scale_name(name) in weight_map,
-                 f"quantized tensor {name!r} or its scale is not in the index")
+        _require(
+            name in weight_map and scale_name(name) in weight_map,
+            f"quantized tensor {name!r} or its scale is not in the index",
+        )
     return manifest
 
 
@@ -276,6 +293,11 @@ def verify_artifact(cache_dir: str | os.PathLike[str]) -> tuple[CacheManifest | 
     tensors = load_tensors(sorted(component_dir / s for s in manifest.shards), "cpu")
     for name in manifest.quantized_tensors:
         scale = tensors[scale_name(name)]
-        if scale.dtype != torch.float32 or scale.numel() != 1 or not bool(torch.isfinite(scale).all()) or scale.item() <= 0:
+        if (
+            scale.dtype != torch.float32
+            or scale.numel() != 1
+            or not bool(torch.isfinite(scale).all())
+            or scale.item() <= 0
+        ):
             return None, f"scale of {name!r} is not a finite positive float32 scalar"
     return manifest, "ok"

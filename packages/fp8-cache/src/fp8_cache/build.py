@@ -191,8 +191,13 @@ def build_fp8_cache(
             del loaded
 
     return publish_artifact(
-        runtime_tensors(), cache_dir, component=component, quantized=quantized, source_files=files,
-        max_shard_bytes=max_shard_bytes, elect_writer=elect_writer,
+        runtime_tensors(),
+        cache_dir,
+        component=component,
+        quantized=quantized,
+        source_files=files,
+        max_shard_bytes=max_shard_bytes,
+        elect_writer=elect_writer,
     )
 
 
@@ -228,8 +233,14 @@ def publish_artifact(
         _sweep_abandoned(root)
         tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
         try:
-            manifest = _write_tree(tmp, tensors, component=component, quantized=sorted(quantized),
-                                   source_files=files, max_shard_bytes=max_shard_bytes)
+            manifest = _write_tree(
+                tmp,
+                tensors,
+                component=component,
+                quantized=sorted(quantized),
+                source_files=files,
+                max_shard_bytes=max_shard_bytes,
+            )
             action, manifest = _move_into_place(tmp, root, manifest, expect)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -367,8 +378,12 @@ def _is_replaceable_artifact(root: Path) -> bool:
     for child in children:
         if child.name in (CACHE_MANIFEST_NAME, CACHE_COMPLETE_NAME) and child.is_file():
             continue
-        if child.is_dir() and not child.is_symlink() and all(
-            f.is_file() and (f.name == CACHE_INDEX_NAME or f.name.endswith(".safetensors")) for f in child.iterdir()
+        if (
+            child.is_dir()
+            and not child.is_symlink()
+            and all(
+                f.is_file() and (f.name == CACHE_INDEX_NAME or f.name.endswith(".safetensors")) for f in child.iterdir()
+            )
         ):
             continue
         return False
@@ -404,7 +419,9 @@ def _move_into_place(
                 raise
             existing, reason = check_artifact(root, expect)
             if existing is None:
-                raise RuntimeError(f"another process keeps publishing an unusable FP8 cache at {root}: {reason}")
+                raise RuntimeError(
+                    f"another process keeps publishing an unusable FP8 cache at {root}: {reason}"
+                ) from None
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(aside, ignore_errors=True)
             return "adopted", existing

@@ -27,12 +27,19 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("src", help="a .safetensors file or a directory of them (one model component)")
     build.add_argument("dst", help="cache directory to publish (created atomically)")
     build.add_argument("--component", default=DEFAULT_COMPONENT, help="component name (default: %(default)s)")
-    build.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
-                       help="fnmatch pattern of module names to keep in high precision (repeatable)")
+    build.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="fnmatch pattern of module names to keep in high precision (repeatable)",
+    )
     build.add_argument("--device", default="cpu", help="device to quantize on (default: %(default)s)")
     build.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
-    for name, text in (("inspect", "print the manifest summary of a valid cache"),
-                       ("verify", "check a cache fully, including every shard's SHA-256")):
+    for name, text in (
+        ("inspect", "print the manifest summary of a valid cache"),
+        ("verify", "check a cache fully, including every shard's SHA-256"),
+    ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("dst", help="cache directory")
     return parser
@@ -46,14 +53,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     if args.command == "build":
         try:
-            result = build_fp8_cache(args.src, args.dst, component=args.component, ignore=args.ignore,
-                                     device=args.device, max_shard_bytes=args.max_shard_bytes)
+            result = build_fp8_cache(
+                args.src,
+                args.dst,
+                component=args.component,
+                ignore=args.ignore,
+                device=args.device,
+                max_shard_bytes=args.max_shard_bytes,
+            )
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
             print(f"fp8-cache build failed: {exc}", file=sys.stderr)
             return EXIT_INVALID
         manifest = result.manifest
-        print(f"{result.action}: {result.cache_dir} ({manifest.tensor_count} tensors, "
-              f"{len(manifest.quantized_tensors)} FP8, {manifest.total_size} bytes)")
+        print(
+            f"{result.action}: {result.cache_dir} ({manifest.tensor_count} tensors, "
+            f"{len(manifest.quantized_tensors)} FP8, {manifest.total_size} bytes)"
+        )
         return EXIT_OK
     if args.command == "inspect":
         manifest, reason = check_artifact(args.dst)

@@ -2,7 +2,8 @@
 
 On a CUDA device with FP8 tensor cores (compute capability 8.9+, e.g. L4/H100/H200) the forward pass
 quantizes the activation dynamically and runs ``torch._scaled_mm``: one scale per call by default, or one per
-row (``FP8Linear.activation_scaling = "row"``, one pass over the activation). An op that produces the
+row (``quantize_model(..., activation_scaling="row")``, stored on each layer; one pass over the activation). An op
+that produces the
 activation can quantize it itself and pass an :class:`FP8Activation`, so no separate quantization pass runs.
 Everywhere else the layer dequantizes and runs an ordinary matmul, so results agree within FP8 error.
 """
@@ -14,7 +15,7 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # torch._scaled_mm needs both GEMM dimensions of the weight to be multiples of 16.
 SCALED_MM_ALIGNMENT = 16
+# How FP8Linear scales a high-precision input it quantizes itself: one scale per call, or one per row.
+ActivationScaling = Literal["tensor", "row"]
 _SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -78,10 +81,13 @@ class FP8Activation:
         if self.data.dtype != FP8_DTYPE:
             raise TypeError(f"FP8Activation.data must be {FP8_DTYPE}, got {self.data.dtype}")
         if self.data.dim() < 1 or not self.data.is_contiguous():
-            raise ValueError(f"FP8Activation.data must be a contiguous tensor of rank >= 1, got {tuple(self.data.shape)}")
+            raise ValueError(
+                f"FP8Activation.data must be a contiguous tensor of rank >= 1, got {tuple(self.data.shape)}"
+            )
         if self.scale.dtype != torch.float32 or self.scale.device != self.data.device:
             raise ValueError(
-                f"FP8Activation.scale must be float32 on {self.data.device}, got {self.scale.dtype} on {self.scale.device}"
+                f"FP8Activation.scale must be float32 on {self.data.device}, "
+                f"got {self.scale.dtype} on {self.scale.device}"
             )
         width = self.data.shape[-1]
         rows = self.data.numel() // width if width else 0
@@ -113,7 +119,9 @@ def quantize_activation_rows(x: torch.Tensor) -> FP8Activation:
     an FP8 rounding boundary may land one FP8 step away.
     """
     if not x.is_floating_point() or x.dim() < 1:
-        raise ValueError(f"quantize_activation_rows needs a floating tensor of rank >= 1, got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(
+            f"quantize_activation_rows needs a floating tensor of rank >= 1, got {x.dtype} {tuple(x.shape)}"
+        )
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -180,13 +188,11 @@ class FP8Linear(nn.Module):
     widths in one weight, ``logical_widths``) shares the single scale; no per-shard requantization happens.
     Parameters never require grad: this is an inference module.
 
-    ``forward`` takes a high-precision tensor, quantized here (``activation_scaling``: ``"tensor"``, one dynamic
-    scale per call in two passes, or ``"row"``, one scale per row in one pass), or an :class:`FP8Activation`
-    quantized by the op that produced it. Per-row scales run the FP8 GEMM for bfloat16 outputs; other output
-    dtypes with per-row scales take the dequantized path.
+    ``forward`` takes a high-precision tensor, quantized here (``activation_scaling``, this layer's own:
+    ``"tensor"``, one dynamic scale per call in two passes, or ``"row"``, one scale per row in one pass), or an
+    :class:`FP8Activation` quantized by the op that produced it. Per-row scales run the FP8 GEMM for bfloat16
+    outputs; other output dtypes with per-row scales take the dequantized path.
     """
-
-    activation_scaling: ClassVar[Literal["tensor", "row"]] = "tensor"
 
     def __init__(
         self,
@@ -197,6 +203,7 @@ class FP8Linear(nn.Module):
         device: torch.device | str | None = None,
         bias_dtype: torch.dtype = torch.bfloat16,
         logical_widths: Sequence[int] | None = None,
+        activation_scaling: ActivationScaling = "tensor",
     ) -> None:
         super().__init__()
         reason = _gemm_shape_reason(in_features, out_features)
@@ -204,6 +211,8 @@ class FP8Linear(nn.Module):
             raise ValueError(f"FP8Linear cannot hold this weight: {reason}; keep this layer as nn.Linear")
         if logical_widths is not None and sum(logical_widths) != out_features:
             raise ValueError(f"logical_widths {list(logical_widths)} must sum to out_features={out_features}")
+        _check_activation_scaling(activation_scaling)
+        self.activation_scaling = activation_scaling
         self.in_features = in_features
         self.out_features = out_features
         self.logical_widths = tuple(logical_widths) if logical_widths is not None else (out_features,)
@@ -218,7 +227,14 @@ class FP8Linear(nn.Module):
         )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, scale: torch.Tensor | None = None, name: str = "linear") -> FP8Linear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        scale: torch.Tensor | None = None,
+        name: str = "linear",
+        activation_scaling: ActivationScaling = "tensor",
+    ) -> FP8Linear:
         """Quantize ``linear``'s weight on its current device.
 
         ``scale`` may be precomputed with ``per_tensor_scale`` (and checked by the caller); otherwise it is
@@ -226,9 +242,13 @@ class FP8Linear(nn.Module):
         """
         bias = linear.bias
         module = cls(
-            linear.in_features, linear.out_features, bias is not None, device="meta",
+            linear.in_features,
+            linear.out_features,
+            bias is not None,
+            device="meta",
             bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
             logical_widths=getattr(linear, "logical_widths", None),
+            activation_scaling=activation_scaling,
         )
         weight = linear.weight.detach()
         if scale is None:
@@ -241,7 +261,10 @@ class FP8Linear(nn.Module):
         return module
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"activation_scaling={self.activation_scaling!r}"
+        )
 
     def forward(self, x: torch.Tensor | FP8Activation) -> torch.Tensor:
         if isinstance(x, FP8Activation):
@@ -374,36 +397,53 @@ def fp8_weight_names(model: nn.Module, *, ignore: Sequence[str] = ()) -> list[st
     return [f"{name}.weight" for name, _ in candidates]
 
 
-def quantize_model(model: nn.Module, *, ignore: Sequence[str] = ()) -> QuantizationReport:
+def _check_activation_scaling(activation_scaling: object) -> None:
+    if activation_scaling not in get_args(ActivationScaling):
+        raise ValueError(
+            f"activation_scaling must be one of {list(get_args(ActivationScaling))}, got {activation_scaling!r}"
+        )
+
+
+def quantize_model(
+    model: nn.Module, *, ignore: Sequence[str] = (), activation_scaling: ActivationScaling = "tensor"
+) -> QuantizationReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for an :class:`FP8Linear`, in place.
 
     A linear is kept in high precision (and logged with the reason) when its fully qualified name matches an
     ``ignore`` pattern (``fnmatch``), its shape cannot run through ``torch._scaled_mm``, or its weight is not
-    materialized (meta device). Weights are quantized on the device they live on. Raises
-    ``NonFiniteWeightError`` (before changing anything) if an eligible weight holds NaN or infinity.
+    materialized (meta device). Weights are quantized on the device they live on. ``activation_scaling`` is how
+    every swapped layer quantizes a high-precision input on the FP8 GEMM path (``"tensor"``: one scale per call;
+    ``"row"``: one per row), stored on each layer. Raises ``NonFiniteWeightError`` (before changing anything) if an
+    eligible weight holds NaN or infinity.
     """
+    _check_activation_scaling(activation_scaling)
     candidates, skipped = _select_linears(model, ignore)
     report = QuantizationReport(skipped=skipped)
     scales = {name: per_tensor_scale(module.weight.detach()) for name, module in candidates}
     require_finite_scales(scales)
     for name, module in candidates:
-        _set_submodule(model, name, FP8Linear.from_linear(module, scale=scales[name], name=name))
+        fp8 = FP8Linear.from_linear(module, scale=scales[name], name=name, activation_scaling=activation_scaling)
+        _set_submodule(model, name, fp8)
         report.quantized.append(name)
     for name, reason in report.skipped.items():
         logger.info("keeping %s in high precision: %s", name, reason)
     return report
 
 
-def load_fp8_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> QuantizationReport:
+def load_fp8_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], *, activation_scaling: ActivationScaling = "tensor"
+) -> QuantizationReport:
     """Install an FP8 runtime state dict (e.g. a cache hit) into ``model`` without quantizing anything.
 
     Every ``nn.Linear`` whose ``<name>.weight`` in ``state_dict`` is FP8 (with ``<name>.weight_scale``) becomes
-    an :class:`FP8Linear`; then the whole state dict is assigned (``strict``; a model built on the meta device is
-    materialized directly on the tensors' device). FP8 weights and their scales are used as given; a
-    high-precision tensor takes the dtype of the parameter or buffer it replaces, so installing a checkpoint
-    stored in another dtype never changes the model's compute dtype. Raises ``ValueError`` naming the layer,
-    before changing the model, if an FP8 weight has no scale or does not fit its layer.
+    an :class:`FP8Linear` (with ``activation_scaling``, as :func:`quantize_model`); then the whole state dict is
+    assigned (``strict``; a model built on the meta device is materialized directly on the tensors' device). FP8
+    weights and their scales are used as given; a high-precision tensor takes the dtype of the parameter or buffer
+    it replaces, so installing a checkpoint stored in another dtype never changes the model's compute dtype.
+    Raises ``ValueError`` naming the layer, before changing the model, if an FP8 weight has no scale or does not fit
+    its layer.
     """
+    _check_activation_scaling(activation_scaling)
     model_dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
     state_dict = {
         name: tensor.to(model_dtypes[name])
@@ -429,9 +469,20 @@ def load_fp8_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
                 f"({module.out_features}, {module.in_features})"
             )
         bias = module.bias
-        swaps.append((name, FP8Linear(module.in_features, module.out_features, bias is not None, device="meta",
-                                      bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
-                                      logical_widths=getattr(module, "logical_widths", None))))
+        swaps.append(
+            (
+                name,
+                FP8Linear(
+                    module.in_features,
+                    module.out_features,
+                    bias is not None,
+                    device="meta",
+                    bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
+                    logical_widths=getattr(module, "logical_widths", None),
+                    activation_scaling=activation_scaling,
+                ),
+            )
+        )
     for name, fp8 in swaps:
         _set_submodule(model, name, fp8)
         report.quantized.append(name)

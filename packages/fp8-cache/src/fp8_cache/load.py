@@ -70,7 +70,9 @@ def load_fp8_weights(
     """
     files = resolve_source_files(sources)
     quantized = select_quantized(read_source_specs(files), quantize=quantize, ignore=ignore)
-    manifest, reason = check_artifact(cache_dir, Expectation(component=component, source_files=files, quantized=quantized))
+    manifest, reason = check_artifact(
+        cache_dir, Expectation(component=component, source_files=files, quantized=quantized)
+    )
     if manifest is not None:
         try:
             return LoadResult(load_cached_tensors(cache_dir, manifest, device), True, "hit", quantized)
@@ -81,11 +83,20 @@ def load_fp8_weights(
     result = LoadResult(tensors, False, reason, quantized)
     if publish and cache_dir is not None:
         try:
-            publish_artifact(tensors.items(), cache_dir, component=component, quantized=quantized, source_files=files,
-                             elect_writer=elect_writer)
+            publish_artifact(
+                tensors.items(),
+                cache_dir,
+                component=component,
+                quantized=quantized,
+                source_files=files,
+                elect_writer=elect_writer,
+            )
             result.published = True
         except Exception:
-            logger.warning("publishing the FP8 cache at %s failed; continuing with online-quantized weights",
-                           cache_dir, exc_info=True)
+            logger.warning(
+                "publishing the FP8 cache at %s failed; continuing with online-quantized weights",
+                cache_dir,
+                exc_info=True,
+            )
             result.published = False
     return result

@@ -49,7 +49,7 @@ def require_finite_scales(named_scales: dict[str, torch.Tensor]) -> None:
         return
     names = list(named_scales)
     finite = torch.isfinite(torch.stack([named_scales[n].reshape(()).float() for n in names])).cpu()
-    bad = [name for name, ok in zip(names, finite.tolist()) if not ok]
+    bad = [name for name, ok in zip(names, finite.tolist(), strict=True) if not ok]
     if bad:
         raise NonFiniteWeightError(
             f"cannot quantize tensors holding NaN or infinity: {bad}; fix the checkpoint or exclude them "

@@ -21,28 +21,33 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# A safetensors header's dtype name -> the torch dtype it is read as (safetensors' own table is private).
+SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "F32": torch.float32,
+        "F64": torch.float64,
+        "I8": torch.int8,
+        "I16": torch.int16,
+        "I32": torch.int32,
+        "I64": torch.int64,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+)
 # A header larger than this is not a header (safetensors itself caps it at 100 MB).
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -115,7 +120,7 @@ def read_header(path: str | os.PathLike[str]) -> list[TensorEntry]:
             continue
         entries.append(_parse_entry(path, name, info, data_start, file_size))
     entries.sort(key=lambda e: e.begin)
-    for previous, current in zip(entries, entries[1:]):
+    for previous, current in pairwise(entries):
         if current.begin < previous.end:
             raise SafetensorsFormatError(f"{path}: tensors {previous.name!r} and {current.name!r} overlap")
     return entries
@@ -201,8 +206,14 @@ class _StagedCudaReader:
     returns their pinned pages to the system: a process that loaded its weights keeps no staging memory pinned.
     """
 
-    def __init__(self, device: torch.device, *, workers: int = min(4, os.cpu_count() or 1),
-                 chunk_bytes: int = 8 << 20, buffers_per_worker: int = 2) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        workers: int = min(4, os.cpu_count() or 1),
+        chunk_bytes: int = 8 << 20,
+        buffers_per_worker: int = 2,
+    ) -> None:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -236,8 +247,10 @@ class _StagedCudaReader:
         per_worker = max(1, -(-len(chunks) // self.workers))
         runs = [chunks[i : i + per_worker] for i in range(0, len(chunks), per_worker)]
         self._buffers = [
-            [torch.empty(max(p.file_hi - p.file_lo for p in run), dtype=torch.uint8, pin_memory=True)
-             for _ in range(self.buffers_per_worker)]
+            [
+                torch.empty(max(p.file_hi - p.file_lo for p in run), dtype=torch.uint8, pin_memory=True)
+                for _ in range(self.buffers_per_worker)
+            ]
             for run in runs
         ]
         with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:
@@ -245,9 +258,7 @@ class _StagedCudaReader:
         for stream in self._streams[: len(runs)]:
             current.wait_stream(stream)
         return {
-            e.name: destinations[e.name].view(e.dtype).reshape(e.shape)
-            for entries in parsed.values()
-            for e in entries
+            e.name: destinations[e.name].view(e.dtype).reshape(e.shape) for entries in parsed.values() for e in entries
         }
 
     def _plan_chunks(self, parsed: dict[str, list[TensorEntry]]) -> Iterable[_Piece]:

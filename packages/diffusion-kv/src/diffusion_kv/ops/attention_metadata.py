@@ -154,7 +154,7 @@ class PagedAttentionMetadata:
             if not all(is_int(value) and value >= 0 for value in values):
                 raise ValueError(f"{name} must hold ints >= 0, got {list(values)}")
         capacity = width * block_size
-        for row, (num_queries, seq_len, start) in enumerate(zip(query_lens, seq_lens, query_pos_start)):
+        for row, (num_queries, seq_len, start) in enumerate(zip(query_lens, seq_lens, query_pos_start, strict=True)):
             if start + num_queries > seq_len:
                 raise ValueError(
                     f"row {row}: queries at positions {start}..{start + num_queries - 1} lie beyond "
@@ -190,7 +190,7 @@ class PagedAttentionMetadata:
             host_rows=tuple(
                 HostRow(int(start), int(n), int(seq), int(pos), int(prefix))
                 for start, n, seq, pos, prefix in zip(
-                    starts, query_lens, seq_lens, query_pos_start, causal_prefix_lens or [0] * num_rows
+                    starts[:-1], query_lens, seq_lens, query_pos_start, causal_prefix_lens or [0] * num_rows, strict=True
                 )
             ),
         )

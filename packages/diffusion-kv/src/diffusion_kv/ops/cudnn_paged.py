@@ -11,12 +11,12 @@ table. Nothing is gathered or copied: queries and outputs are the packed token a
 
 One cuDNN graph is built per call shape (rows, heads, kv heads, head size, page, pool size, table width, the
 longest query and key rows, query token stride, dtype, scale) and cached for the process (the
-`MAX_CACHED_GRAPHS` most recently used). Per-row lengths are device tensors read by the kernel, so any forward
-whose longest rows match reuses the graph. Building one costs about 45 ms (H200, 2026-12-01; a cached call
-0.2-0.5 ms of host and device time), so a serving loop should keep its row shapes few (a fixed prompt length does). The heuristic's first plan runs; with `AUTOTUNE` set,
-every plan cuDNN builds is timed on a graph's first call and the fastest kept (on the H200 no plan beat the
-heuristic's, 2026-12-01). Calls are captured by CUDA graphs like any other kernel launch: the workspace comes
-from torch's allocator on the current stream, and nothing synchronizes.
+`MAX_CACHED_GRAPHS` most recently used). Per-row lengths are device tensors read by the kernel, so any forward whose
+longest rows match reuses the graph. Building one costs about 45 ms (H200, 2026-12-01; a cached call 0.2-0.5 ms of host
+and device time), so a serving loop should keep its row shapes few (a fixed prompt length does). The heuristic's first
+plan runs; with `AUTOTUNE` set, every plan cuDNN builds is timed on a graph's first call and the fastest kept (on the
+H200 no plan beat the heuristic's, 2026-12-01). Calls are captured by CUDA graphs like any other kernel launch: the
+workspace comes from torch's allocator on the current stream, and nothing synchronizes.
 
 It declines (`unsupported_reason` says why) what it cannot compute exactly: a query inside its row's causal
 prefix (cuDNN's masks are bands, not diffusion_kv's prefix rule), fp32 or FP8 caches, head sizes cuDNN's fused
@@ -157,22 +157,37 @@ def _offset_dtype(metadata: PagedAttentionMetadata, q_stride: int, o_stride: int
 
 
 def _data_type(cudnn: Any, dtype: torch.dtype) -> Any:
-    return {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
-            torch.int32: cudnn.data_type.INT32, torch.int64: cudnn.data_type.INT64}[dtype]
+    return {
+        torch.float16: cudnn.data_type.HALF,
+        torch.bfloat16: cudnn.data_type.BFLOAT16,
+        torch.int32: cudnn.data_type.INT32,
+        torch.int64: cudnn.data_type.INT64,
+    }[dtype]
 
 
 def _build(key: _GraphKey, offset_dtype: torch.dtype, handle: Any) -> _Graph:
     cudnn = _frontend()
     io = _data_type(cudnn, key.dtype)
-    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    graph = cudnn.pygraph(
+        io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        handle=handle,
+    )
     h, hk, d, r = key.heads, key.kv_heads, key.head_size, key.rows
     token_q, token_o = key.query_token_stride, h * d
     index = _data_type(cudnn, torch.int32)
-    ragged_q, ragged_o = (graph.tensor(name=name, dim=[r + 1, 1, 1, 1], stride=[1, 1, 1, 1],
-                                       data_type=_data_type(cudnn, offset_dtype)) for name in ("ragged_q", "ragged_o"))
-    q = graph.tensor(name="q", dim=[r, h, key.max_query_len, d], stride=[key.max_query_len * token_q, d, token_q, 1],
-                     data_type=io, ragged_offset=ragged_q)
+    ragged_q, ragged_o = (
+        graph.tensor(name=name, dim=[r + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=_data_type(cudnn, offset_dtype))
+        for name in ("ragged_q", "ragged_o")
+    )
+    q = graph.tensor(
+        name="q",
+        dim=[r, h, key.max_query_len, d],
+        stride=[key.max_query_len * token_q, d, token_q, 1],
+        data_type=io,
+        ragged_offset=ragged_q,
+    )
     pool_dims = [key.num_blocks, hk, key.page, d]
     pool_strides = [2 * key.page * hk * d, d, hk * d, 1]
     k = graph.tensor(name="k_pool", dim=pool_dims, stride=pool_strides, data_type=io)
@@ -185,20 +200,39 @@ def _build(key: _GraphKey, offset_dtype: torch.dtype, handle: Any) -> _Graph:
     seq_q = graph.tensor(name="seq_len_q", dim=[r, 1, 1, 1], stride=[1, 1, 1, 1], data_type=index)
     seq_kv = graph.tensor(name="seq_len_kv", dim=[r, 1, 1, 1], stride=[1, 1, 1, 1], data_type=index)
     o, _ = graph.sdpa(
-        name="paged_sdpa", q=q, k=k, v=v, generate_stats=False, attn_scale=key.scale,
-        use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
-        paged_attention_k_table=k_table, paged_attention_v_table=v_table,
+        name="paged_sdpa",
+        q=q,
+        k=k,
+        v=v,
+        generate_stats=False,
+        attn_scale=key.scale,
+        use_padding_mask=True,
+        seq_len_q=seq_q,
+        seq_len_kv=seq_kv,
+        paged_attention_k_table=k_table,
+        paged_attention_v_table=v_table,
         paged_attention_max_seq_len_kv=key.max_seq_len,
     )
     o.set_output(True).set_dim([r, h, key.max_query_len, d]).set_stride(
-        [key.max_query_len * token_o, d, token_o, 1]).set_ragged_offset(ragged_o)
+        [key.max_query_len * token_o, d, token_o, 1]
+    ).set_ragged_offset(ragged_o)
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans(cudnn.build_plan_policy.ALL if AUTOTUNE else cudnn.build_plan_policy.HEURISTICS_CHOICE)
-    tensors = {"q": q, "k": k, "v": v, "o": o, "k_table": k_table, "v_table": v_table, "seq_len_q": seq_q,
-               "seq_len_kv": seq_kv, "ragged_q": ragged_q, "ragged_o": ragged_o}
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "o": o,
+        "k_table": k_table,
+        "v_table": v_table,
+        "seq_len_q": seq_q,
+        "seq_len_kv": seq_kv,
+        "ragged_q": ragged_q,
+        "ragged_o": ragged_o,
+    }
     return _Graph(graph, tensors, int(graph.get_workspace_size()), None if AUTOTUNE else 0)
 
 
@@ -207,10 +241,16 @@ def _variant_pack(entry: _Graph, query: Tensor, kv_cache: Tensor, out: Tensor, r
     half_block = kv_cache.shape[2] * kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.element_size()
     base = kv_cache.data_ptr()
     return {
-        t["q"]: query.data_ptr(), t["o"]: out.data_ptr(), t["k"]: base, t["v"]: base + half_block,
-        t["k_table"]: rows["table"].data_ptr(), t["v_table"]: rows["table"].data_ptr(),
-        t["seq_len_q"]: rows["seq_len_q"].data_ptr(), t["seq_len_kv"]: rows["seq_len_kv"].data_ptr(),
-        t["ragged_q"]: rows["ragged_q"].data_ptr(), t["ragged_o"]: rows["ragged_o"].data_ptr(),
+        t["q"]: query.data_ptr(),
+        t["o"]: out.data_ptr(),
+        t["k"]: base,
+        t["v"]: base + half_block,
+        t["k_table"]: rows["table"].data_ptr(),
+        t["v_table"]: rows["table"].data_ptr(),
+        t["seq_len_q"]: rows["seq_len_q"].data_ptr(),
+        t["seq_len_kv"]: rows["seq_len_kv"].data_ptr(),
+        t["ragged_q"]: rows["ragged_q"].data_ptr(),
+        t["ragged_o"]: rows["ragged_o"].data_ptr(),
     }
 
 
@@ -253,9 +293,18 @@ def paged_attention(
         result = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key = _GraphKey(
         device=_device_index(query.device),
-        dtype=query.dtype, rows=metadata.num_rows, heads=heads, kv_heads=kv_heads, head_size=head_size, page=page,
-        num_blocks=num_blocks, table_pages=-(-max_seq_len // page), table_row_stride=metadata.block_tables.stride(0),
-        max_query_len=metadata.max_query_len, max_seq_len=max_seq_len, scale=float(scale),
+        dtype=query.dtype,
+        rows=metadata.num_rows,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_size=head_size,
+        page=page,
+        num_blocks=num_blocks,
+        table_pages=-(-max_seq_len // page),
+        table_row_stride=metadata.block_tables.stride(0),
+        max_query_len=metadata.max_query_len,
+        max_seq_len=max_seq_len,
+        scale=float(scale),
         query_token_stride=query.stride(0),
     )
     rows = _row_inputs(metadata, query.stride(0), heads * head_size)

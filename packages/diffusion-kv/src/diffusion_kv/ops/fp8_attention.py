@@ -51,8 +51,10 @@ def _check_cache(kv_cache: Tensor, metadata: PagedAttentionMetadata) -> tuple[in
     if not kv_cache.is_contiguous():
         raise ValueError("the FP8 kv_cache must be contiguous (its V half is addressed as transposed pages)")
     if kv_cache.shape[2] != metadata.block_size:
-        raise ValueError(f"kv_cache has blocks of {kv_cache.shape[2]} tokens but the metadata was built for "
-                         f"block_size={metadata.block_size}")
+        raise ValueError(
+            f"kv_cache has blocks of {kv_cache.shape[2]} tokens but the metadata was built for "
+            f"block_size={metadata.block_size}"
+        )
     if metadata.device != kv_cache.device:
         raise ValueError(f"the attention metadata is on {metadata.device} but kv_cache is on {kv_cache.device}")
     return kv_cache.shape[3], kv_cache.shape[4]
@@ -60,8 +62,10 @@ def _check_cache(kv_cache: Tensor, metadata: PagedAttentionMetadata) -> tuple[in
 
 def _check_scales(name: str, scale: Tensor, heads: int, device: torch.device) -> None:
     if scale.shape != (heads,) or scale.dtype != torch.float32 or scale.device != device:
-        raise ValueError(f"{name} must be a float32 [{heads}] tensor on {device}, got {scale.dtype} "
-                         f"{tuple(scale.shape)} on {scale.device}")
+        raise ValueError(
+            f"{name} must be a float32 [{heads}] tensor on {device}, got {scale.dtype} "
+            f"{tuple(scale.shape)} on {scale.device}"
+        )
 
 
 def _kernels_apply(backend: str, device: torch.device) -> bool:
@@ -76,16 +80,23 @@ def _kernels_apply(backend: str, device: torch.device) -> bool:
 
 
 def write_kv_cache_fp8(
-    key: Tensor, value: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, k_scale: Tensor,
-    v_scale: Tensor, *, backend: str = "auto",
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    metadata: PagedAttentionMetadata,
+    k_scale: Tensor,
+    v_scale: Tensor,
+    *,
+    backend: str = "auto",
 ) -> None:
     """Quantize ``key``/``value [num_tokens, num_kv_heads, head_size]`` per head into their slots
     (``metadata.slot_mapping``; a negative slot skips its token)."""
     num_kv_heads, head_size = _check_cache(kv_cache, metadata)
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_size) or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with stride(-1) == 1, "
-                             f"got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with stride(-1) == 1, got {tuple(t.shape)}"
+            )
         if t.shape[0] != metadata.num_tokens or t.device != kv_cache.device:
             raise ValueError(f"{name} must hold the metadata's {metadata.num_tokens} tokens on {kv_cache.device}")
     _check_scales("k_scale", k_scale, num_kv_heads, kv_cache.device)
@@ -109,8 +120,9 @@ def write_kv_cache_fp8(
     v_pages[blocks, :, :, offsets] = quantize_per_head(value[keep], v_scale)
 
 
-def dequantize_kv_cache_fp8(kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
-                            dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize_kv_cache_fp8(
+    kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """The FP8 cache as an ordinary ``[num_blocks, 2, page, num_kv_heads, head_size]`` cache of ``dtype``."""
     if kv_cache.dim() != 5 or kv_cache.dtype != FP8_DTYPE:
         raise ValueError(f"kv_cache must be a {FP8_DTYPE} [num_blocks, 2, page, num_kv_heads, head_size] tensor")
@@ -122,9 +134,17 @@ def dequantize_kv_cache_fp8(kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
 
 
 def paged_attention_fp8(
-    query: Tensor, q_scale: Tensor, kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
-    metadata: PagedAttentionMetadata, *, scale: float | None = None, out: Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
+    query: Tensor,
+    q_scale: Tensor,
+    kv_cache: Tensor,
+    k_scale: Tensor,
+    v_scale: Tensor,
+    metadata: PagedAttentionMetadata,
+    *,
+    scale: float | None = None,
+    out: Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
 ) -> Tensor:
     """Non-causal attention of FP8 queries ``[num_tokens, num_heads, head_size]`` over an FP8 paged cache.
 
@@ -133,8 +153,9 @@ def paged_attention_fp8(
     """
     num_kv_heads, head_size = _check_cache(kv_cache, metadata)
     if query.dtype != FP8_DTYPE or query.dim() != 3 or query.shape[2] != head_size:
-        raise ValueError(f"query must be {FP8_DTYPE} [num_tokens, num_heads, {head_size}], got {query.dtype} "
-                         f"{tuple(query.shape)}")
+        raise ValueError(
+            f"query must be {FP8_DTYPE} [num_tokens, num_heads, {head_size}], got {query.dtype} {tuple(query.shape)}"
+        )
     if query.shape[0] != metadata.num_tokens:
         raise ValueError(f"query has {query.shape[0]} tokens but the metadata describes {metadata.num_tokens}")
     if query.shape[1] % num_kv_heads:
@@ -149,7 +170,7 @@ def paged_attention_fp8(
     elif out.shape != query.shape or out.stride(2) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} with stride(-1) == 1, got {tuple(out.shape)}")
     if scale is None:
-        scale = head_size ** -0.5
+        scale = head_size**-0.5
     if query.shape[0] == 0:
         return out
     if _kernels_apply(backend, query.device):
@@ -168,5 +189,10 @@ def paged_attention_fp8(
     return out
 
 
-__all__ = ["dequantize_kv_cache_fp8", "paged_attention_fp8", "per_head_scales", "quantize_per_head",
-           "write_kv_cache_fp8"]
+__all__ = [
+    "dequantize_kv_cache_fp8",
+    "paged_attention_fp8",
+    "per_head_scales",
+    "quantize_per_head",
+    "write_kv_cache_fp8",
+]

@@ -76,7 +76,8 @@ def paged_attention(
         out = query.new_empty(query.shape)
     for run in runs:
         out[_run_tokens(rows, run)] = _attend_run(query, kv_cache, metadata, scale, rows, run).reshape(
-            -1, heads, head_size)
+            -1, heads, head_size
+        )
     return out
 
 
@@ -86,8 +87,14 @@ def _run_tokens(rows: tuple[HostRow, ...], run: tuple[int, int]) -> slice:
     return slice(rows[first].query_start, rows[first].query_start + (end - first) * rows[first].query_len)
 
 
-def _attend_run(query: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata, scale: float,
-                rows: tuple[HostRow, ...], run: tuple[int, int]) -> Tensor:
+def _attend_run(
+    query: Tensor,
+    kv_cache: Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    rows: tuple[HostRow, ...],
+    run: tuple[int, int],
+) -> Tensor:
     """SDPA over one run of equal rows: `[rows, query_len, heads, head_size]` (a transposed view of SDPA's output)."""
     heads, head_size = query.shape[1:]
     first, end = run

@@ -44,9 +44,26 @@ MIN_PAGE_TILE = 16 if INTERPRETED else 64  # the smallest key tile; the page siz
 
 @triton.jit
 def _masked_tile(
-    acc, m_i, l_i, q, cache_ptr, bt_row_ptr, start_n, key_end, q_pos, causal_prefix_len, kv_col,
-    offs_n, offs_d, stride_cb, stride_ckv, stride_co, qk_scale,
-    PAGE_SIZE: tl.constexpr, MASK_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    cache_ptr,
+    bt_row_ptr,
+    start_n,
+    key_end,
+    q_pos,
+    causal_prefix_len,
+    kv_col,
+    offs_n,
+    offs_d,
+    stride_cb,
+    stride_ckv,
+    stride_co,
+    qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One online-softmax step over keys ``start_n + offs_n`` with pointer loads masked to ``key_end``."""
     keys = start_n + offs_n
@@ -75,13 +92,24 @@ def _masked_tile(
 
 @triton.jit
 def _flash_paged_kernel(
-    q_ptr, cache_ptr, out_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, query_pos_start_ptr, causal_prefix_lens_ptr,
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    query_pos_start_ptr,
+    causal_prefix_lens_ptr,
     qk_scale,
     query_len_bucket,
-    total_q, cache_rows,
-    stride_qt, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_co,
+    total_q,
+    cache_rows,
+    stride_qt,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ckv,
+    stride_co,
     stride_bt,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -107,7 +135,9 @@ def _flash_paged_kernel(
             q_ptr, shape=[total_q, NUM_HEADS * HEAD_SIZE], strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_SIZE]
         )
         kv_desc = tl.make_tensor_descriptor(
-            cache_ptr, shape=[cache_rows, NUM_KV_HEADS * HEAD_SIZE], strides=[NUM_KV_HEADS * HEAD_SIZE, 1],
+            cache_ptr,
+            shape=[cache_rows, NUM_KV_HEADS * HEAD_SIZE],
+            strides=[NUM_KV_HEADS * HEAD_SIZE, 1],
             block_shape=[BLOCK_N, HEAD_SIZE],
         )
         q = q_desc.load([q_begin + tile * BLOCK_M, head * HEAD_SIZE])
@@ -155,9 +185,26 @@ def _flash_paged_kernel(
 
         for start_n in range(open_end, key_end, BLOCK_N):
             acc, m_i, l_i = _masked_tile(
-                acc, m_i, l_i, q, cache_ptr, bt_row_ptr, start_n, key_end, q_pos, causal_prefix_len, kv_col,
-                offs_n, offs_d, stride_cb, stride_ckv, stride_co, qk_scale,
-                PAGE_SIZE, HAS_CAUSAL_PREFIX, UPCAST,
+                acc,
+                m_i,
+                l_i,
+                q,
+                cache_ptr,
+                bt_row_ptr,
+                start_n,
+                key_end,
+                q_pos,
+                causal_prefix_len,
+                kv_col,
+                offs_n,
+                offs_d,
+                stride_cb,
+                stride_ckv,
+                stride_co,
+                qk_scale,
+                PAGE_SIZE,
+                HAS_CAUSAL_PREFIX,
+                UPCAST,
             )
 
         acc = acc / l_i[:, None]
@@ -168,12 +215,22 @@ def _flash_paged_kernel(
 
 @triton.jit
 def _flash_paged_fp8_kernel(
-    q_ptr, cache_ptr, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    q_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
     sm_scale_log2,
     query_len_bucket,
-    total_q, num_blocks,
-    stride_qt, stride_ot, stride_oh,
+    total_q,
+    num_blocks,
+    stride_qt,
+    stride_ot,
+    stride_oh,
     stride_bt,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -197,11 +254,15 @@ def _flash_paged_fp8_kernel(
             q_ptr, shape=[total_q, NUM_HEADS * HEAD_SIZE], strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_SIZE]
         )
         k_desc = tl.make_tensor_descriptor(
-            cache_ptr, shape=[num_blocks * 2 * PAGE_SIZE, kv_width], strides=[kv_width, 1],
+            cache_ptr,
+            shape=[num_blocks * 2 * PAGE_SIZE, kv_width],
+            strides=[kv_width, 1],
             block_shape=[BLOCK_N, HEAD_SIZE],
         )
         vt_desc = tl.make_tensor_descriptor(
-            cache_ptr, shape=[num_blocks * 2 * kv_width, PAGE_SIZE], strides=[PAGE_SIZE, 1],
+            cache_ptr,
+            shape=[num_blocks * 2 * kv_width, PAGE_SIZE],
+            strides=[PAGE_SIZE, 1],
             block_shape=[HEAD_SIZE, BLOCK_N],
         )
         q = q_desc.load([q_begin + tile * BLOCK_M, head * HEAD_SIZE])
@@ -258,8 +319,16 @@ def _flash_paged_fp8_kernel(
 
 @triton.jit
 def _write_kv_fp8_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     fp8_max,
     PAGE_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -282,8 +351,7 @@ def _write_kv_fp8_kernel(
         k8 = tl.clamp(tl.math.div_rn(k, k_scale), -fp8_max, fp8_max).to(cache_ptr.dtype.element_ty)
         v8 = tl.clamp(tl.math.div_rn(v, v_scale), -fp8_max, fp8_max).to(cache_ptr.dtype.element_ty)
         block_base = block * (2 * PAGE_SIZE * NUM_KV_HEADS * HEAD_SIZE)
-        tl.store(cache_ptr + block_base + offset * (NUM_KV_HEADS * HEAD_SIZE) + heads * HEAD_SIZE + dims, k8,
-                 mask=mask)
+        tl.store(cache_ptr + block_base + offset * (NUM_KV_HEADS * HEAD_SIZE) + heads * HEAD_SIZE + dims, k8, mask=mask)
         v_base = block_base + PAGE_SIZE * NUM_KV_HEADS * HEAD_SIZE
         tl.store(cache_ptr + v_base + (heads * HEAD_SIZE + dims) * PAGE_SIZE + offset, v8, mask=mask)
 
@@ -407,14 +475,24 @@ def paged_attention(
         if page_size % tile["BLOCK_N"]:
             raise ValueError(f"page size {page_size} is not a multiple of the key tile {tile['BLOCK_N']}")
     kernel[grid](
-        query, kv_cache, result,
-        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, metadata.query_pos_start,
+        query,
+        kv_cache,
+        result,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.query_pos_start,
         causal_prefix_lens if causal_prefix_lens is not None else metadata.seq_lens,
         scale * 1.4426950408889634,  # log2(e): the kernel exponentiates in base 2
         _query_len_bucket(max_query_len),
-        query.shape[0], num_blocks * 2 * page_size,
-        query.stride(0), result.stride(0), result.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        query.shape[0],
+        num_blocks * 2 * page_size,
+        query.stride(0),
+        result.stride(0),
+        result.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
         metadata.block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -451,8 +529,16 @@ _tuned_fp8 = (
 
 
 def paged_attention_fp8(
-    query: Tensor, q_scale: Tensor, kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor,
-    metadata: PagedAttentionMetadata, scale: float, out: Tensor, *, config: dict | None = None,
+    query: Tensor,
+    q_scale: Tensor,
+    kv_cache: Tensor,
+    k_scale: Tensor,
+    v_scale: Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    out: Tensor,
+    *,
+    config: dict | None = None,
 ) -> Tensor:
     """Launch the FP8 kernel (non-causal; every query of row r sees keys ``0..seq_lens[r]-1``)."""
     num_rows, max_query_len = metadata.num_rows, metadata.max_query_len
@@ -472,28 +558,58 @@ def paged_attention_fp8(
     else:
         kernel, tile = _flash_paged_fp8_kernel, dict(_FIXED_TILE)
     kernel[grid](
-        query, kv_cache, out, q_scale, k_scale, v_scale,
-        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+        query,
+        kv_cache,
+        out,
+        q_scale,
+        k_scale,
+        v_scale,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
         scale * 1.4426950408889634,
         _query_len_bucket(max_query_len),
-        query.shape[0], num_blocks,
-        query.stride(0), out.stride(0), out.stride(1),
+        query.shape[0],
+        num_blocks,
+        query.stride(0),
+        out.stride(0),
+        out.stride(1),
         metadata.block_tables.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_SIZE=head_size,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        PAGE_SIZE=page_size,
+        HEAD_SIZE=head_size,
         UPCAST=upcast,
         **tile,
     )
     return out
 
 
-def write_kv_cache_fp8(key: Tensor, value: Tensor, kv_cache: Tensor, metadata: PagedAttentionMetadata,
-                       k_scale: Tensor, v_scale: Tensor, fp8_max: float) -> None:
+def write_kv_cache_fp8(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    metadata: PagedAttentionMetadata,
+    k_scale: Tensor,
+    v_scale: Tensor,
+    fp8_max: float,
+) -> None:
     """One program per token; negative slots are skipped."""
     _, _, page_size, num_kv_heads, head_size = kv_cache.shape
     _write_kv_fp8_kernel[(key.shape[0],)](
-        key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key,
+        value,
+        kv_cache,
+        metadata.slot_mapping,
+        k_scale,
+        v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
         fp8_max,
-        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
+        PAGE_SIZE=page_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_SIZE=head_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
     )
