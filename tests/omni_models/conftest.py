@@ -23,8 +23,16 @@ from omni_models.training.captions import VOCABULARY
 
 def build_random_model(seed: int = 0) -> CausalPrefixDiT:
     """A small model whose zero-initialised (adaLN, output) weights are randomised too, so every path matters."""
-    config = DiTConfig(name="random-small", width=64, depth=2, num_heads=2, patch_size=4,
-                       vocab_size=len(VOCABULARY), max_prompt_tokens=16, default_steps=4)
+    config = DiTConfig(
+        name="random-small",
+        width=64,
+        depth=2,
+        num_heads=2,
+        patch_size=4,
+        vocab_size=len(VOCABULARY),
+        max_prompt_tokens=16,
+        default_steps=4,
+    )
     torch.manual_seed(seed)
     model = CausalPrefixDiT(config)
     with torch.no_grad():

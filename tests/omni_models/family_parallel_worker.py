@@ -23,8 +23,9 @@ def main() -> None:
         from omni_models.family_parallel import enable_family_parallel
         from omni_models.parallel import init_parallel
 
-        state = init_parallel(cfg_parallel_size=2 if "cfg2" in mode else 1,
-                              sequence_parallel_size=2 if "sp2" in mode else 1)
+        state = init_parallel(
+            cfg_parallel_size=2 if "cfg2" in mode else 1, sequence_parallel_size=2 if "sp2" in mode else 1
+        )
         pipe = omni_models.load(checkpoint, max_sequence_length=16)
         enable_family_parallel(pipe, state)
         return {"latents": run_family_jobs(pipe, mode.split("-")[0])}

@@ -22,9 +22,17 @@ def write_random_model(directory: Path, *, num_heads: int = 4) -> Path:
     from omni_models.model import CausalPrefixDiT
 
     _, vocabulary = load_config(resolve_model_dir("omni-shapes-tiny"))
-    config = DiTConfig(name="random-dit-4h", width=16 * num_heads, depth=2, num_heads=num_heads, patch_size=4,
-                       vocab_size=len(vocabulary), max_prompt_tokens=16, supported_sizes=((32, 32), (24, 24)),
-                       default_steps=STEPS)
+    config = DiTConfig(
+        name="random-dit-4h",
+        width=16 * num_heads,
+        depth=2,
+        num_heads=num_heads,
+        patch_size=4,
+        vocab_size=len(vocabulary),
+        max_prompt_tokens=16,
+        supported_sizes=((32, 32), (24, 24)),
+        default_steps=STEPS,
+    )
     torch.manual_seed(0)
     model = CausalPrefixDiT(config)
     with torch.no_grad():
@@ -36,10 +44,22 @@ def write_random_model(directory: Path, *, num_heads: int = 4) -> Path:
 
 def run_jobs(pipeline, cases) -> list[torch.Tensor]:
     """All ``cases`` as one batch through the stepwise paged API (a private pool); final latents per job."""
-    jobs = [pipeline.prepare(prompt, guidance_scale=guidance, seed=seed, height=h, width=w, num_inference_steps=STEPS)
-            for prompt, guidance, seed, h, w in cases]
-    batch = pipeline.allocate_kv_caches_for(jobs, 16)
-    pipeline.run_prefix(batch)
+    from omni_models import GenerationRequest, resolve_request
+
+    jobs = [
+        job
+        for prompt, guidance, seed, h, w in cases
+        for job in pipeline.prepare(
+            resolve_request(
+                pipeline.info,
+                GenerationRequest(
+                    prompt=prompt, guidance_scale=guidance, seed=seed, height=h, width=w, num_inference_steps=STEPS
+                ),
+            )
+        )
+    ]
+    pipeline.allocate_kv_caches_for(jobs, 16)
+    pipeline.start(jobs)
     for _ in range(STEPS):
-        pipeline.run_denoise_step(batch)
+        pipeline.step(jobs)
     return [job.latents.clone() for job in jobs]

@@ -21,25 +21,30 @@ def main() -> None:
     mode, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 
     def compute() -> dict[str, Any]:
-        from dlo_offload import get_model_parallel_groups, select_dlo_group, enable_layerwise_offload
         from omni_models import load
-        from omni_models.integrations import offload_plan
         from omni_models.parallel import enable_parallel, init_parallel
 
         cfg = 2 if "cfg2" in mode else 1
         sp = 2 if "sp2" in mode else 1
         state = init_parallel(cfg_parallel_size=cfg, sequence_parallel_size=sp)
-        pipeline = load(str(model_dir), device="cpu", dtype=torch.float32)
-        offload = None
-        if "allgather" in mode:
-            group = select_dlo_group(get_model_parallel_groups())
-            offload = enable_layerwise_offload(pipeline.model, offload_plan(), device="cpu", group=group,
-                                               use_allgather=True)
+        allgather = "allgather" in mode  # the blocks sharded over the SP group, streamed by layerwise offload
+        pipeline = load(
+            str(model_dir),
+            device="cpu",
+            dtype=torch.float32,
+            layerwise_offload=allgather,
+            offload_allgather=allgather,
+            offload_group=state.offload_group if allgather else None,
+        )
+        offload = pipeline.offload
         enable_parallel(pipeline, state)
         latents = run_jobs(pipeline, CASES["unguided" if "unguided" in mode else "mixed"])
-        return {"latents": latents, "offload_mode": offload.mode if offload else None,
-                "host_nbytes": offload.host_nbytes if offload else None,
-                "kv_heads": pipeline.kv_caches[0].shape[-2]}
+        return {
+            "latents": latents,
+            "offload_mode": offload.mode if offload else None,
+            "host_nbytes": offload.host_nbytes if offload else None,
+            "kv_heads": pipeline.kv_caches[0].shape[-2],
+        }
 
     run_rank(out, compute)
 

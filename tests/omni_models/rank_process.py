@@ -2,7 +2,7 @@
 
 ``run_rank(compute)`` joins the gloo group (``RANK``/``WORLD_SIZE``/``MASTER_*`` from the environment), saves what
 ``compute()`` returns as ``OUT_DIR/rank{R}.pt`` or, when it raises, the traceback as ``OUT_DIR/rank{R}.err`` (and
-re-raises), and always tears down the model-parallel state and the process group.
+re-raises), and always tears down the process group (and the device mesh's groups with it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,4 @@ def run_rank(out_dir: Path, compute: Callable[[], dict[str, Any]]) -> None:
         (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        from dlo_offload import destroy_model_parallel
-
-        destroy_model_parallel()
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # WORLD and every group built on it (the device mesh's)

@@ -46,8 +46,12 @@ def test_held_out_split_is_deterministic_and_disjoint():
     assert not set(train) & set(held_out)
     assert split_scenes()[1] == held_out
     # Every attribute value still appears in training, so held-out scenes are new combinations only.
-    for name, count in (("shape", len(SHAPE_NAMES)), ("color", len(COLOR_NAMES)),
-                        ("position", len(POSITION_NAMES)), ("background", len(COLOR_NAMES))):
+    for name, count in (
+        ("shape", len(SHAPE_NAMES)),
+        ("color", len(COLOR_NAMES)),
+        ("position", len(POSITION_NAMES)),
+        ("background", len(COLOR_NAMES)),
+    ):
         assert {getattr(s, name) for s in train} == set(range(count))
 
 
@@ -68,8 +72,7 @@ def test_scorer_detects_wrong_attributes_and_empty_images():
     index = scenes_to_tensor([wrong])
     images = to_uint8_images(render(index[:, 0], index[:, 1], index[:, 2], index[:, 3]))
     score = adherence(read_scenes(images), [scene])
-    assert score == {"shape": 0.0, "color": 0.0, "position": 0.0, "background": 1.0, "attributes": 0.25,
-                     "scene": 0.0}
+    assert score == {"shape": 0.0, "color": 0.0, "position": 0.0, "background": 1.0, "attributes": 0.25, "scene": 0.0}
     blank = np.full((1, 32, 32, 3), 20, dtype=np.uint8)  # all black
     reading = read_scenes(blank)[0]
     assert reading.shape == -1 and COLOR_NAMES[reading.background] == "black"

@@ -32,7 +32,7 @@ def test_ragged_rows_attend_only_to_their_own_leading_positions(lengths):
     keep = [list(range(n)) for n in lengths]
     for r, expected in enumerate(_reference(query, key, value, keep)):
         torch.testing.assert_close(out[r, keep[r]], expected, rtol=0, atol=1e-6)
-        assert not out[r, lengths[r]:].any()  # padding positions produce zeros
+        assert not out[r, lengths[r] :].any()  # padding positions produce zeros
     assert row_lengths([4, 4], 4) is None and row_lengths([4, 3], 4) == RowLengths((4, 3))
     assert [backend.name for backend in BACKENDS] == ["sdpa"]
 
@@ -57,19 +57,33 @@ def test_the_processors_compute_what_diffusers_processors_compute():
     flux_inputs = dict(
         hidden_states=torch.randn(2, 64, 16, generator=generator),
         encoder_hidden_states=torch.randn(2, 10, 32, generator=generator),
-        pooled_projections=torch.randn(2, 32, generator=generator), timestep=torch.tensor([0.5, 0.7]),
-        guidance=torch.tensor([3.5, 2.0]), txt_ids=torch.zeros(10, 3), img_ids=torch.randn(64, 3, generator=generator),
+        pooled_projections=torch.randn(2, 32, generator=generator),
+        timestep=torch.tensor([0.5, 0.7]),
+        guidance=torch.tensor([3.5, 2.0]),
+        txt_ids=torch.zeros(10, 3),
+        img_ids=torch.randn(64, 3, generator=generator),
         return_dict=False,
     )
     qwen = synthetic.qwen_image_components("tiny")["transformer"]
     text = torch.randn(2, 7, 16, generator=generator)
-    qwen_inputs = dict(hidden_states=torch.randn(2, 16, 16, generator=generator), encoder_hidden_states=text,
-                       timestep=torch.tensor([0.5, 0.7]), img_shapes=[[(1, 4, 4)]] * 2, return_dict=False)
+    qwen_inputs = dict(
+        hidden_states=torch.randn(2, 16, 16, generator=generator),
+        encoder_hidden_states=text,
+        timestep=torch.tensor([0.5, 0.7]),
+        img_shapes=[[(1, 4, 4)]] * 2,
+        return_dict=False,
+    )
     with torch.no_grad():
         flux_expected, qwen_expected = flux(**flux_inputs)[0], qwen(**qwen_inputs)[0]
-        row_alone = qwen(**{**qwen_inputs, "hidden_states": qwen_inputs["hidden_states"][1:],
-                            "encoder_hidden_states": text[1:, :4], "timestep": torch.tensor([0.7]),
-                            "img_shapes": [[(1, 4, 4)]]})[0]
+        row_alone = qwen(
+            **{
+                **qwen_inputs,
+                "hidden_states": qwen_inputs["hidden_states"][1:],
+                "encoder_hidden_states": text[1:, :4],
+                "timestep": torch.tensor([0.7]),
+                "img_shapes": [[(1, 4, 4)]],
+            }
+        )[0]
         flux.set_attn_processor(OmniFluxAttnProcessor())
         qwen.set_attn_processor(OmniQwenImageAttnProcessor())
         assert torch.equal(flux(**flux_inputs)[0], flux_expected)
@@ -77,7 +91,9 @@ def test_the_processors_compute_what_diffusers_processors_compute():
         # Row 1 uses 4 of the 7 text positions: it equals that row run alone with its 4 tokens.
         padded = text.clone()
         padded[1, 4:] = 0
-        ragged = qwen(**{**qwen_inputs, "encoder_hidden_states": padded, "attention_kwargs": {"text_lengths": [7, 4]}})[0]
+        ragged = qwen(**{**qwen_inputs, "encoder_hidden_states": padded, "attention_kwargs": {"text_lengths": [7, 4]}})[
+            0
+        ]
     # A ragged batch attends in [image, text] order (each row's padding is then a tail the attention skips
     # without copies): the same keys in another order, so equal within float32 summation-order rounding.
     torch.testing.assert_close(ragged[0], qwen_expected[0], rtol=0, atol=1e-5)

@@ -96,8 +96,11 @@ def test_weights_that_disagree_with_their_config(flux_dev_dir, tmp_path):
     _expect(path, path / "text_encoder_2", "but text_encoder_2/config.json implies")
     t5_config.write_text(original)
     _edit_json(t5_config, num_layers=1)  # the weights hold a second block the config does not describe
-    _expect(path, path / "text_encoder_2", "holds weights a model built from text_encoder_2/config.json does not "
-                                           "have: ['encoder.block.1.")
+    _expect(
+        path,
+        path / "text_encoder_2",
+        "holds weights a model built from text_encoder_2/config.json does not have: ['encoder.block.1.",
+    )
 
 
 def test_a_tensor_stored_with_the_wrong_dtype(flux_dev_dir, tmp_path):
@@ -114,9 +117,18 @@ def test_components_that_do_not_fit_each_other_or_are_unsupported(flux_dev_dir, 
     from omni_models import synthetic
 
     path = _copy(flux_dev_dir, tmp_path)
-    vae = synthetic.random_parameters(lambda: synthetic.library_class("diffusers", "AutoencoderKL")(
-        block_out_channels=(4,), layers_per_block=1, latent_channels=8, norm_num_groups=1,
-        use_quant_conv=False, use_post_quant_conv=False), device="cpu", dtype=torch.float32)
+    vae = synthetic.random_parameters(
+        lambda: synthetic.library_class("diffusers", "AutoencoderKL")(
+            block_out_channels=(4,),
+            layers_per_block=1,
+            latent_channels=8,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        device="cpu",
+        dtype=torch.float32,
+    )
     shutil.rmtree(path / "vae")
     vae.save_pretrained(str(path / "vae"))
     _expect(path, path / "transformer" / "config.json", "in_channels=16 needs a VAE with 4 latent channels")
@@ -158,8 +170,10 @@ def test_a_repo_id_resolves_through_the_local_hugging_face_cache(flux_dev_dir, h
     request = dict(num_inference_steps=2, seed=1, height=16, width=16)
     assert psnr(pipe("a cat", **request)[0], local("a cat", **request)[0]) == float("inf")
     assert omni_models.load(f"black-forest-labs/tiny-flux@{commit}").info.family == "flux"
-    for name, kwargs in (("black-forest-labs/not-downloaded", {}), ("black-forest-labs/not-downloaded",
-                                                                    {"allow_download": True})):
+    for name, kwargs in (
+        ("black-forest-labs/not-downloaded", {}),
+        ("black-forest-labs/not-downloaded", {"allow_download": True}),
+    ):
         with pytest.raises(InvalidRequestError, match="not a repo id present in the local Hugging Face cache") as e:
             omni_models.load(name, **kwargs)
         assert e.value.param == "model"

@@ -30,10 +30,23 @@ def _run(mode: str, checkpoint: Path, out: Path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(checkpoint), str(out)],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(checkpoint), str(out)],
+            env=dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     logs = []
     for proc in procs:
         try:
@@ -70,5 +83,5 @@ def test_sequence_parallel_is_refused_for_qwen_image(qwen_image_dir) -> None:
     from omni_models.parallel import ParallelState
 
     pipe = omni_models.load(str(qwen_image_dir))
-    with pytest.raises(ValueError, match="--sequence-parallel-size applies to FLUX.1"):
+    with pytest.raises(ValueError, match="sequence parallelism applies to FLUX.1"):
         enable_family_parallel(pipe, ParallelState(sp_size=2))

@@ -27,7 +27,8 @@ def test_reference_equals_the_unfused_torch_sequence_in_float32():
     residual = x + gate[row_ids] * branch
     torch.testing.assert_close(fused.gated_residual(x, gate, branch, row_ids, backend="torch"), residual)
     updated, modulated = fused.gated_residual_layer_norm_modulate(
-        x, gate, branch, shift2, scale2, row_ids, eps=EPS, backend="torch")
+        x, gate, branch, shift2, scale2, row_ids, eps=EPS, backend="torch"
+    )
     torch.testing.assert_close(updated, residual)
     expected = F.layer_norm(residual, (x.shape[1],), eps=EPS) * (1 + scale2[row_ids]) + shift2[row_ids]
     torch.testing.assert_close(modulated, expected, rtol=1e-6, atol=1e-6)

@@ -42,18 +42,26 @@ def test_kernels_match_the_reference(dtype, tol):
     _kernels_module()
     x, (shift, scale, gate, shift2, scale2, _), row_ids = modulated_tokens(dtype=dtype, seed=1)
     branch = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
-    out = {b: fused.layer_norm_modulate(x, shift, scale, row_ids.int(), eps=EPS, backend=b) for b in ("triton", "torch")}
+    out = {
+        b: fused.layer_norm_modulate(x, shift, scale, row_ids.int(), eps=EPS, backend=b) for b in ("triton", "torch")
+    }
     torch.testing.assert_close(out["triton"].float(), out["torch"].float(), rtol=tol, atol=tol)
     res = {b: fused.gated_residual(x, gate, branch, row_ids, backend=b) for b in ("triton", "torch")}
     torch.testing.assert_close(res["triton"].float(), res["torch"].float(), rtol=tol, atol=tol)
-    both = {b: fused.gated_residual_layer_norm_modulate(x, gate, branch, shift2, scale2, row_ids, eps=EPS, backend=b)
-            for b in ("triton", "torch")}
-    for got, ref in zip(both["triton"], both["torch"]):
+    both = {
+        b: fused.gated_residual_layer_norm_modulate(x, gate, branch, shift2, scale2, row_ids, eps=EPS, backend=b)
+        for b in ("triton", "torch")
+    }
+    for got, ref in zip(both["triton"], both["torch"], strict=True):
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
     heads = x.view(9, 3, 16)
     weight = torch.rand(16, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    torch.testing.assert_close(fused.rms_norm(heads, weight, eps=EPS, backend="triton").float(),
-                               fused.rms_norm(heads, weight, eps=EPS, backend="torch").float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        fused.rms_norm(heads, weight, eps=EPS, backend="triton").float(),
+        fused.rms_norm(heads, weight, eps=EPS, backend="torch").float(),
+        rtol=tol,
+        atol=tol,
+    )
 
 
 def test_quantizing_kernels_match_the_reference_within_one_fp8_step():
@@ -69,10 +77,16 @@ def test_quantizing_kernels_match_the_reference_within_one_fp8_step():
     x, (shift, scale, gate, shift2, scale2, _), row_ids = modulated_tokens(dtype=dtype, seed=4)
     branch = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     pairs = [
-        [fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, quantize=True, backend=b)
-         for b in ("triton", "torch")],
-        [fused.gated_residual_layer_norm_modulate(x, gate, branch, shift2, scale2, row_ids, eps=EPS, quantize=True,
-                                                  backend=b)[1] for b in ("triton", "torch")],
+        [
+            fused.layer_norm_modulate(x, shift, scale, row_ids, eps=EPS, quantize=True, backend=b)
+            for b in ("triton", "torch")
+        ],
+        [
+            fused.gated_residual_layer_norm_modulate(
+                x, gate, branch, shift2, scale2, row_ids, eps=EPS, quantize=True, backend=b
+            )[1]
+            for b in ("triton", "torch")
+        ],
         [fused.gelu_quantize(branch, backend=b) for b in ("triton", "torch")],
     ]
     for got, ref in pairs:

@@ -31,8 +31,8 @@ def test_load_from_the_local_hugging_face_cache(hub_cache, random_model_dir):
     commit = "0123456789abcdef0123456789abcdef01234567"
     hub_cache.add("omni/shapes-random", random_model_dir, commit)
     pipe = omni_models.load("omni/shapes-random")
-    assert pipe.info.name == "random-small"
-    assert omni_models.load(f"omni/shapes-random@{commit}").info.name == "random-small"
+    assert (pipe.info.name, pipe.info.variant) == ("omni/shapes-random", "random-small")
+    assert omni_models.load(f"omni/shapes-random@{commit}").info.variant == "random-small"
     with pytest.raises(InvalidRequestError, match="not a repo id present in the local Hugging Face cache") as info:
         omni_models.load("omni/not-downloaded")
     assert info.value.param == "model"
@@ -70,7 +70,7 @@ def pipe(random_model_dir):
         ({"negative_prompt": "a mauve square"}, "negative_prompt", "'mauve'"),
         ({"negative_prompt": ["a red circle", "a blue square"]}, "negative_prompt", "2 negative prompts for 1"),
         ({"height": 64, "width": 64}, "size", "64x64"),
-        ({"width": 31}, "size", "supported: 32x32"),
+        ({"width": 31}, "size", "size 31x32 is not supported by random-small; supported sizes: 32x32"),
         ({"num_inference_steps": 0}, "num_inference_steps", "[1, 1000]"),
         ({"num_inference_steps": 2.5}, "num_inference_steps", "2.5"),
         ({"guidance_scale": float("nan")}, "guidance_scale", "finite"),
@@ -89,8 +89,8 @@ def test_bad_requests_name_the_field(pipe, kwargs, param, fragment):
 
 def test_info_describes_the_model(pipe):
     info = pipe.info
-    assert info.supported_sizes == ((32, 32),)
-    assert info.default_steps == 4 and info.max_prompt_tokens == 16
+    assert info.image.sizes == ((32, 32),)
+    assert info.image.default_steps == 4 and info.image.max_prompt_tokens == 16
     assert "circle" in info.vocabulary and "<bos>" not in info.vocabulary
     specs = pipe.kv_cache_specs()
     assert list(specs) == ["blocks.0.attn", "blocks.1.attn"]

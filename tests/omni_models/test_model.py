@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omni_models.tokenizer import PAD_ID
 from omni_models.model import causal_prefix_mask
+from omni_models.tokenizer import PAD_ID
 
 
 def _inputs(seed: int = 0):
@@ -47,11 +47,14 @@ def test_image_tokens_see_the_prompt_and_padding_is_inert(random_model):
 
 def test_causal_prefix_mask_layout():
     mask = causal_prefix_mask(torch.tensor([[True, True, False]]), num_target=2)[0, 0]
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],   # text 0 sees itself
-        [1, 1, 0, 0, 0],   # text 1 causal
-        [1, 1, 0, 0, 0],   # padding query: valid text only (never empty)
-        [1, 1, 0, 1, 1],   # image queries: all valid text + all image
-        [1, 1, 0, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],  # text 0 sees itself
+            [1, 1, 0, 0, 0],  # text 1 causal
+            [1, 1, 0, 0, 0],  # padding query: valid text only (never empty)
+            [1, 1, 0, 1, 1],  # image queries: all valid text + all image
+            [1, 1, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, expected)

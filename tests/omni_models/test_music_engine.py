@@ -24,8 +24,9 @@ TOKENIZER = MusicTokenizer(CONFIG)
 LYRICS = "[verse]\nla la love\n[chorus]\noh oh shine"
 
 
-def song(pair_id: str, seed: int, caption: str = "a calm piano melody at 90 bpm in c major",
-         frames: int = 40) -> SongRequest:
+def song(
+    pair_id: str, seed: int, caption: str = "a calm piano melody at 90 bpm in c major", frames: int = 40
+) -> SongRequest:
     return SongRequest(pair_id, TOKENIZER.encode(caption, LYRICS), seed, frames)
 
 
@@ -89,8 +90,9 @@ def test_concurrent_songs_never_cross(stage: ARStage) -> None:
     together = run_locked(stage, [song("both-3", 3, frames=56), song("both-4", 4, frames=56)])
     for seed, key in ((3, "both-3"), (4, "both-4")):
         spans_alone, spans_together = alone[seed], together[key]
-        assert [(s.start, s.codes.shape[0], s.last_chunk, s.audio_seed) for s in spans_together] == \
-               [(s.start, s.codes.shape[0], s.last_chunk, s.audio_seed) for s in spans_alone]
+        assert [(s.start, s.codes.shape[0], s.last_chunk, s.audio_seed) for s in spans_together] == [
+            (s.start, s.codes.shape[0], s.last_chunk, s.audio_seed) for s in spans_alone
+        ]
         assert all(s.audio_seed == seed for s in spans_together)
         assert sum(s.last_chunk for s in spans_together) == 1 and spans_together[-1].last_chunk
         assert torch.equal(codes_from_spans(spans_together), codes_from_spans(spans_alone))

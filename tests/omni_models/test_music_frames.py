@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_models.music.binding import feedback_offsets, first_int, pair_id_from_request, request_key
 from omni_models.music.frames import FrameBuffer, RequestARState, Window, chunk_windows, crop_sample_bounds
 from omni_models.music.payload import Span, make_payload, payload_element
 
@@ -105,31 +104,6 @@ def test_chunk_windows() -> None:
 def test_crop_bounds() -> None:
     assert crop_sample_bounds(Window(0, 150, True, True), 86, 344, 512) == (0, 0)
     assert crop_sample_bounds(Window(100, 300, False, False), 86, 344, 512) == (86 * 512, (344 - 86) * 512)
-
-
-def test_request_keys_and_pair_ids() -> None:
-    assert request_key(["req-1"]) == request_key("req-1") == "req-1"
-    assert request_key(("req-9",)) == "req-9"
-    assert request_key(None) == request_key([]) == ""
-    assert pair_id_from_request("req-1__cfg_uncond") == "req-1"
-    assert pair_id_from_request("req-cfg_uncond") == "req-cfg_uncond"
-    assert first_int([750], 1) == first_int(750, 1) == 750
-    for bad in (None, [], "x", 0, -3, [1, 2]):
-        assert first_int(bad, 9) == 9
-
-
-def test_feedback_rows_follow_the_request_never_a_prompt_token() -> None:
-    codes = {"a": True, "b": True, "c": True, "d": True}
-    prompts = {"a": 8, "b": 8, "c": 8, "d": 8}
-    assert feedback_offsets(["a", "b", "c", "d"], [1, 1, 1, 1], [9, 9, 9, 9], prompts, codes) == [0, 1, 2, 3]
-    assert feedback_offsets(["a", "b"], [8, 1], [0, 300], {"a": 8, "b": 8}, codes) == [8]
-    assert feedback_offsets(["a"], [10], [10], {"a": 10}, codes) == []
-    assert feedback_offsets(["a"], [2048], [2048], {"a": 5000}, codes) == []
-    assert feedback_offsets(["a"], [904], [4096], {"a": 5000}, codes) == []
-    assert feedback_offsets(["x", "a", "b"], [64, 1, 1], [0, 9, 9], {"x": 64, **prompts}, codes) == [64, 65]
-    assert feedback_offsets(["a"], [1], [9], prompts, {}) == []
-    assert feedback_offsets(["b", "a"], [1, 1], [9, 9], prompts, {"a": True}) == [1]
-    assert feedback_offsets(["a", "b"], [1, 1], [9, 9], prompts, {"a": True}) == [0]
 
 
 def span(start: int, frames: int, seed: int, last: bool) -> Span:

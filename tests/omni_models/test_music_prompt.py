@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 
 from omni_models.errors import InvalidRequestError
-from omni_models.music.config import AUDIO_CFG, AUDIO_START, IM_END, IM_START
-from omni_models.music.config import MusicConfig
+from omni_models.music.config import AUDIO_CFG, AUDIO_START, IM_END, IM_START, MusicConfig
 from omni_models.music.prompt import (
-    MusicTokenizer, build_cfg_null_token_ids, build_prompt, clean_caption, normalize_lyrics,
+    MusicTokenizer,
+    build_cfg_null_token_ids,
+    build_prompt,
+    clean_caption,
+    normalize_lyrics,
 )
 
 
@@ -49,8 +52,9 @@ def test_null_twin_keeps_length_and_framing_and_does_not_mutate() -> None:
     assert build_cfg_null_token_ids(minimal) == minimal
 
 
-@pytest.mark.parametrize(("ids", "fragment"), [([IM_START, IM_END, AUDIO_START], "too short"),
-                                                ([1, 2, 3, IM_END, AUDIO_START], "framing")])
+@pytest.mark.parametrize(
+    ("ids", "fragment"), [([IM_START, IM_END, AUDIO_START], "too short"), ([1, 2, 3, IM_END, AUDIO_START], "framing")]
+)
 def test_null_twin_rejects_bad_prompts(ids: list[int], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         build_cfg_null_token_ids(ids)
@@ -62,10 +66,10 @@ def test_tokenizer_requires_caption_and_lyrics_and_bounds_length() -> None:
     assert ids[0] == IM_START and ids[-2:] == [IM_END, AUDIO_START]
     with pytest.raises(InvalidRequestError) as blank:
         tokenizer.encode("  ", "[verse]")
-    assert blank.value.param == "instructions"
+    assert blank.value.param == "prompt"
     with pytest.raises(InvalidRequestError) as lyrics:
         tokenizer.encode("calm", "")
-    assert lyrics.value.param == "input"
+    assert lyrics.value.param == "lyrics"
     with pytest.raises(InvalidRequestError, match="Shorten the caption or the lyrics"):
         tokenizer.encode("calm", "la " * 500)
 

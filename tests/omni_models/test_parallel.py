@@ -54,10 +54,23 @@ def run_ranks(mode: str, model_dir: Path, out: Path, world: int = 2) -> list[dic
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(model_dir), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), mode, str(model_dir), str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = []
     for proc in procs:
         try:
@@ -71,8 +84,9 @@ def run_ranks(mode: str, model_dir: Path, out: Path, world: int = 2) -> list[dic
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("mode, cases", [("cfg2", "mixed"), ("cfg2-unguided", "unguided"), ("sp2", "mixed"),
-                                         ("sp2-allgather", "mixed")])
+@pytest.mark.parametrize(
+    "mode, cases", [("cfg2", "mixed"), ("cfg2-unguided", "unguided"), ("sp2", "mixed"), ("sp2-allgather", "mixed")]
+)
 def test_two_ranks_reproduce_the_single_process_latents(mode, cases, model_dir, reference, tmp_path) -> None:
     reports = run_ranks(mode, model_dir, tmp_path)
     for rank, report in enumerate(reports):
@@ -95,6 +109,28 @@ def test_two_ranks_reproduce_the_single_process_latents(mode, cases, model_dir, 
 def test_heads_not_divisible_by_sp_is_refused_with_the_flag_name() -> None:
     from omni_models.parallel import check_sequence_parallel
 
-    with pytest.raises(ValueError, match=r"--sequence-parallel-size 2 does not divide the model's 5 attention heads"):
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 does not divide the model's 5 attention heads"):
         check_sequence_parallel(5, 2)
     check_sequence_parallel(4, 2)
+
+
+def test_init_parallel_builds_the_cfg_sp_mesh_over_exactly_world(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from omni_models.parallel import init_parallel
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a default group")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        state = init_parallel()
+        assert (state.cfg_size, state.cfg_rank, state.sp_size, state.sp_rank) == (1, 0, 1, 0)
+        assert state.cfg_group is state.sp_group is state.offload_group is None  # one rank: no collectives
+        with pytest.raises(
+            ValueError,
+            match=r"WORLD has 1 ranks but cfg_parallel_size x sequence_parallel_size is "
+            r"2 x 1 = 2; start that many ranks",
+        ):
+            init_parallel(cfg_parallel_size=2)
+    finally:
+        dist.destroy_process_group()

@@ -9,11 +9,12 @@ PROGRAM = """
 import sys
 import omni_models
 pipe = omni_models.load("omni-shapes-tiny")
-job = pipe.prepare("a red circle", num_inference_steps=1, seed=0)
-batch = pipe.allocate_kv_caches_for([job], block_size=16)
-pipe.run_prefix(batch)
-pipe.run_denoise_step(batch)
-pipe.decode(job)
+request = omni_models.GenerationRequest(prompt="a red circle", num_inference_steps=1, seed=0)
+jobs = pipe.prepare(omni_models.resolve_request(pipe.info, request))
+pipe.allocate_kv_caches_for(jobs, block_size=16)
+pipe.start(jobs)
+pipe.step(jobs)
+pipe.decode(jobs)
 pipe("a blue square", num_inference_steps=1, seed=0)
 print(sorted(name for name in sys.modules if name.startswith("omni_models.training")))
 """

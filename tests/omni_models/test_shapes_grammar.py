@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import omni_models
-from omni_models import InvalidRequestError
+from omni_models import GenerationRequest, InvalidRequestError, resolve_request
 from omni_models.shapes_grammar import canonicalize
 from omni_models.training.captions import VOCABULARY, SceneSpec
 from omni_models.training.shapes import split_scenes
@@ -13,13 +13,22 @@ from omni_models.training.shapes import split_scenes
 CANONICAL = "a black square at the top right on a green background"
 
 
-@pytest.mark.parametrize("prompt", [
-    "on a green background, a black square at the top right",
-    "at the top right, a black square on a green background",
-    "a black square on a green background at the top right",
-    "on a green background at the top right, a black square",
-    "At the top right on a green background: a black square!",
-])
+def _prepare(pipeline, prompt: str, **fields):
+    """The one job of a one-image request, checked as every entry point checks it."""
+    [job] = pipeline.prepare(resolve_request(pipeline.info, GenerationRequest(prompt=prompt, **fields)))
+    return job
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "on a green background, a black square at the top right",
+        "at the top right, a black square on a green background",
+        "a black square on a green background at the top right",
+        "on a green background at the top right, a black square",
+        "At the top right on a green background: a black square!",
+    ],
+)
 def test_reordered_clauses_read_as_the_canonical_caption(prompt: str) -> None:
     assert canonicalize(prompt.replace(":", ",")) == CANONICAL
 
@@ -32,16 +41,19 @@ def test_canonical_captions_are_returned_unchanged() -> None:
             assert canonicalize(caption) is caption
 
 
-@pytest.mark.parametrize(("prompt", "fragment"), [
-    ("a red circle on a red background", "invisible"),
-    ("a red circle and a blue square", "more than one object"),
-    ("a red circle a blue square", "more than one object"),
-    ("a red circle square", "two shapes"),
-    ("a red blue circle", "two colours"),
-    ("a red circle at the top at the left", "two positions"),
-    ("a red circle on a blue background on a green background", "two backgrounds"),
-    ("a red circle the", "'the' outside the clauses"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "fragment"),
+    [
+        ("a red circle on a red background", "invisible"),
+        ("a red circle and a blue square", "more than one object"),
+        ("a red circle a blue square", "more than one object"),
+        ("a red circle square", "two shapes"),
+        ("a red blue circle", "two colours"),
+        ("a red circle at the top at the left", "two positions"),
+        ("a red circle on a blue background on a green background", "two backgrounds"),
+        ("a red circle the", "'the' outside the clauses"),
+    ],
+)
 def test_conflicts_and_two_objects_are_refused_with_the_accepted_form(prompt: str, fragment: str) -> None:
     with pytest.raises(InvalidRequestError, match=fragment) as info:
         canonicalize(prompt)
@@ -54,15 +66,15 @@ def test_conflicts_and_two_objects_are_refused_with_the_accepted_form(prompt: st
 def test_prompts_without_words_are_refused(prompt: str) -> None:
     pipeline = omni_models.load("omni-shapes-tiny", device="cpu")
     with pytest.raises(InvalidRequestError, match="no words|non-empty") as info:
-        pipeline.prepare(prompt)
+        _prepare(pipeline, prompt)
     assert info.value.param == "prompt"
 
 
 def test_the_shipped_model_reads_reordered_prompts_as_canonical_tokens() -> None:
     pipeline = omni_models.load("omni-shapes-tiny", device="cpu")
     assert pipeline.prompt_grammar is canonicalize
-    reordered = pipeline.prepare("on a green background, a black square at the top right", seed=3)
-    canonical = pipeline.prepare(CANONICAL, seed=3)
+    reordered = _prepare(pipeline, "on a green background, a black square at the top right", seed=3)
+    canonical = _prepare(pipeline, CANONICAL, seed=3)
     assert reordered.rows[0].token_ids == canonical.rows[0].token_ids
     assert SceneSpec(1, 7, 2, 3).caption() == CANONICAL
     assert VOCABULARY[2:] == tuple(pipeline.info.vocabulary)

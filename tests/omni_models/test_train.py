@@ -24,7 +24,12 @@ def test_training_writes_a_loadable_reproducible_model(tmp_path):
     assert written["steps"] == log["steps"] == 1 and written["seed"] == 3
     assert set(written["eval"]["accuracy"]) == {"guidance_1", "guidance_4"}
     assert set(written["eval"]["accuracy"]["guidance_4"]) == {
-        "shape", "color", "position", "background", "attributes", "scene"
+        "shape",
+        "color",
+        "position",
+        "background",
+        "attributes",
+        "scene",
     }
     assert written["eval"]["num_prompts"] == 4 and written["torch"] == torch.__version__
     assert len(written["losses"]) == 1 and written["losses"][0][0] == 1
@@ -33,7 +38,7 @@ def test_training_writes_a_loadable_reproducible_model(tmp_path):
     assert first.keys() == second.keys()
     assert all(torch.equal(first[name], second[name]) for name in first)
     pipe = omni_models.load(str(out))
-    assert pipe.info.name == "omni-shapes-tiny" and pipe.info.default_steps == 20
+    assert pipe.info.variant == "omni-shapes-tiny" and pipe.info.image.default_steps == 20
     assert pipe("a red circle", num_inference_steps=1, seed=0)[0].size == (32, 32)
 
 
@@ -41,6 +46,7 @@ def test_the_training_script_runs_by_its_module_path():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "omni_models.training.train", "--help"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_models.training.train", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "--time-budget-s" in done.stdout, done.stderr

@@ -1,10 +1,15 @@
-"""Diffusion pipelines for omni: the causal-prefix DiT family with the shipped omni-shapes-tiny model, and real
-families (FLUX.1, Qwen-Image) from diffusers-layout checkpoints.
+"""Diffusion pipelines for omni behind one model contract: the causal-prefix DiT family with the shipped
+omni-shapes-tiny, real families from diffusers-layout checkpoints (FLUX.1, Qwen-Image), and the two-stage music
+family with the shipped omni-tones-tiny.
 
-``load``, ``Pipeline`` (which need ``diffusion_kv``) and ``FamilyPipeline`` are imported on first use, so
-``omni_models.training`` (data, scorer, training script; never imported by serving) works on a machine where only
-torch is installed, and nothing here imports diffusers or transformers until a diffusers checkpoint is loaded
-(``omni_models.diffusers_adapter``, the ``diffusers`` extra).
+- ``inspect(name) -> ModelSpec``: what a model is and accepts, from metadata alone;
+- ``load(name, ...) -> StepwisePipeline``: any kind, through one registry (``omni_models.registry``);
+- ``GenerationRequest`` / ``resolve_request(info, request)``: the one request type, checked once;
+- ``StepwisePipeline`` / ``PagedPipeline`` (``omni_models.contract``): what an engine drives.
+
+Everything but the error types is imported on first use, so ``omni_models.training`` (data, scorer, training
+scripts; never imported by serving) works where only torch is installed, and nothing here imports diffusers or
+transformers until a diffusers checkpoint is loaded (``omni_models.diffusers_adapter``, the ``diffusers`` extra).
 """
 
 from __future__ import annotations
@@ -13,26 +18,37 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 if TYPE_CHECKING:
-    from omni_models.families import FamilyInfo, FamilyJob, FamilyPipeline, FamilyRequest, PromptConditioning
-    from omni_models.pipeline import Pipeline, PipelineInfo, load
-    from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob
+    from omni_models.contract import Job, PagedPipeline, StepwisePipeline
+    from omni_models.families import FamilyJob, FamilyPipeline
+    from omni_models.pipeline import Pipeline
+    from omni_models.registry import LoadOptions, inspect, load
+    from omni_models.request import GenerationRequest, ResolvedRequest, resolve_request
+    from omni_models.runner import GenerationJob
+    from omni_models.spec import AudioLimits, Capabilities, ImageLimits, ModelInfo, ModelSpec, SizeRange
 
 _LAZY = {
-    "FamilyInfo": "omni_models.families",
+    "Job": "omni_models.contract",
+    "PagedPipeline": "omni_models.contract",
+    "StepwisePipeline": "omni_models.contract",
     "FamilyJob": "omni_models.families",
     "FamilyPipeline": "omni_models.families",
-    "FamilyRequest": "omni_models.families",
-    "PromptConditioning": "omni_models.families",
-    "load": "omni_models.pipeline",
     "Pipeline": "omni_models.pipeline",
-    "PipelineInfo": "omni_models.pipeline",
+    "LoadOptions": "omni_models.registry",
+    "inspect": "omni_models.registry",
+    "load": "omni_models.registry",
+    "GenerationRequest": "omni_models.request",
+    "ResolvedRequest": "omni_models.request",
+    "resolve_request": "omni_models.request",
     "GenerationJob": "omni_models.runner",
-    "GenerationRequest": "omni_models.runner",
-    "GenerationRow": "omni_models.runner",
-    "ScheduledJob": "omni_models.runner",
+    "AudioLimits": "omni_models.spec",
+    "Capabilities": "omni_models.spec",
+    "ImageLimits": "omni_models.spec",
+    "ModelInfo": "omni_models.spec",
+    "ModelSpec": "omni_models.spec",
+    "SizeRange": "omni_models.spec",
 }
 
 
@@ -46,6 +62,28 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'omni_models' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "FamilyInfo", "FamilyJob", "FamilyPipeline", "FamilyRequest", "GenerationJob",
-           "GenerationRequest", "GenerationRow", "InvalidRequestError", "MissingDependencyError", "Pipeline",
-           "PipelineInfo", "PromptConditioning", "ScheduledJob", "load", "__version__"]
+__all__ = [
+    "AudioLimits",
+    "Capabilities",
+    "CheckpointError",
+    "FamilyJob",
+    "FamilyPipeline",
+    "GenerationJob",
+    "GenerationRequest",
+    "ImageLimits",
+    "InvalidRequestError",
+    "Job",
+    "LoadOptions",
+    "MissingDependencyError",
+    "ModelInfo",
+    "ModelSpec",
+    "PagedPipeline",
+    "Pipeline",
+    "ResolvedRequest",
+    "SizeRange",
+    "StepwisePipeline",
+    "__version__",
+    "inspect",
+    "load",
+    "resolve_request",
+]

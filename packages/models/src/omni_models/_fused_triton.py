@@ -23,8 +23,7 @@ MAX_WIDTH = 16384  # one token's channels live in one program's registers
 
 
 @triton.jit
-def _store_token(y, out_ptr, out_scale_ptr, token, stride_out, cols, mask, fp8_max, min_scale,
-                 QUANTIZE: tl.constexpr):
+def _store_token(y, out_ptr, out_scale_ptr, token, stride_out, cols, mask, fp8_max, min_scale, QUANTIZE: tl.constexpr):
     """Write one token's float32 values, cast to the output dtype or quantized with a per-token scale."""
     if QUANTIZE:
         amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
@@ -45,9 +44,20 @@ def _layer_norm_modulate(x, mask, width, eps, shift, scale):
 
 @triton.jit
 def _layer_norm_modulate_kernel(
-    x_ptr, shift_ptr, scale_ptr, row_ids_ptr, out_ptr, out_scale_ptr,
-    width, stride_x, stride_shift, stride_scale, stride_out,
-    eps, fp8_max, min_scale,
+    x_ptr,
+    shift_ptr,
+    scale_ptr,
+    row_ids_ptr,
+    out_ptr,
+    out_scale_ptr,
+    width,
+    stride_x,
+    stride_shift,
+    stride_scale,
+    stride_out,
+    eps,
+    fp8_max,
+    min_scale,
     BLOCK: tl.constexpr,
     QUANTIZE: tl.constexpr,
 ):
@@ -64,11 +74,26 @@ def _layer_norm_modulate_kernel(
 
 @triton.jit
 def _gated_residual_kernel(
-    residual_ptr, gate_ptr, branch_ptr, shift_ptr, scale_ptr, row_ids_ptr,
-    residual_out_ptr, out_ptr, out_scale_ptr,
-    width, stride_residual, stride_gate, stride_branch, stride_shift, stride_scale, stride_residual_out,
+    residual_ptr,
+    gate_ptr,
+    branch_ptr,
+    shift_ptr,
+    scale_ptr,
+    row_ids_ptr,
+    residual_out_ptr,
+    out_ptr,
+    out_scale_ptr,
+    width,
+    stride_residual,
+    stride_gate,
+    stride_branch,
+    stride_shift,
+    stride_scale,
+    stride_residual_out,
     stride_out,
-    eps, fp8_max, min_scale,
+    eps,
+    fp8_max,
+    min_scale,
     BLOCK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
@@ -98,7 +123,14 @@ def _gelu(x):
 
 @triton.jit
 def _gelu_quantize_kernel(
-    x_ptr, out_ptr, out_scale_ptr, width, stride_x, stride_out, fp8_max, min_scale,
+    x_ptr,
+    out_ptr,
+    out_scale_ptr,
+    width,
+    stride_x,
+    stride_out,
+    fp8_max,
+    min_scale,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
 ):
@@ -123,8 +155,13 @@ def _gelu_quantize_kernel(
 
 @triton.jit
 def _rms_norm_heads_kernel(
-    x_ptr, weight_ptr, out_ptr,
-    stride_xt, stride_xh, stride_ot, stride_oh,
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
     eps,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -152,22 +189,48 @@ def _block(width: int) -> int:
 
 
 def layer_norm_modulate(
-    x: Tensor, shift: Tensor, scale: Tensor, row_ids: Tensor, eps: float, out: Tensor, out_scale: Tensor | None,
-    fp8_max: float, min_scale: float,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    row_ids: Tensor,
+    eps: float,
+    out: Tensor,
+    out_scale: Tensor | None,
+    fp8_max: float,
+    min_scale: float,
 ) -> None:
     tokens, width = x.shape
     block = _block(width)
     _layer_norm_modulate_kernel[(tokens,)](
-        x, shift, scale, row_ids, out, out_scale if out_scale is not None else out,
-        width, x.stride(0), shift.stride(0), scale.stride(0), out.stride(0),
-        eps, fp8_max, min_scale,
-        BLOCK=block, QUANTIZE=out_scale is not None, num_warps=_warps(block),
+        x,
+        shift,
+        scale,
+        row_ids,
+        out,
+        out_scale if out_scale is not None else out,
+        width,
+        x.stride(0),
+        shift.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        eps,
+        fp8_max,
+        min_scale,
+        BLOCK=block,
+        QUANTIZE=out_scale is not None,
+        num_warps=_warps(block),
     )
 
 
 def gated_residual(
-    residual: Tensor, gate: Tensor, branch: Tensor, row_ids: Tensor, residual_out: Tensor,
-    norm: tuple[Tensor, Tensor, float, Tensor, Tensor | None] | None, fp8_max: float, min_scale: float,
+    residual: Tensor,
+    gate: Tensor,
+    branch: Tensor,
+    row_ids: Tensor,
+    residual_out: Tensor,
+    norm: tuple[Tensor, Tensor, float, Tensor, Tensor | None] | None,
+    fp8_max: float,
+    min_scale: float,
 ) -> None:
     """``norm``: None, or ``(shift, scale, eps, out, out_scale)`` to also write the modulated LayerNorm."""
     tokens, width = residual.shape
@@ -178,12 +241,30 @@ def gated_residual(
     else:
         shift, scale, eps, out, out_scale = norm
     _gated_residual_kernel[(tokens,)](
-        residual, gate, branch, shift, scale, row_ids,
-        residual_out, out, out_scale if out_scale is not None else out,
-        width, residual.stride(0), gate.stride(0), branch.stride(0), shift.stride(0), scale.stride(0),
-        residual_out.stride(0), out.stride(0),
-        eps, fp8_max, min_scale,
-        BLOCK=block, NORMALIZE=norm is not None, QUANTIZE=out_scale is not None, num_warps=_warps(block),
+        residual,
+        gate,
+        branch,
+        shift,
+        scale,
+        row_ids,
+        residual_out,
+        out,
+        out_scale if out_scale is not None else out,
+        width,
+        residual.stride(0),
+        gate.stride(0),
+        branch.stride(0),
+        shift.stride(0),
+        scale.stride(0),
+        residual_out.stride(0),
+        out.stride(0),
+        eps,
+        fp8_max,
+        min_scale,
+        BLOCK=block,
+        NORMALIZE=norm is not None,
+        QUANTIZE=out_scale is not None,
+        num_warps=_warps(block),
     )
 
 
@@ -194,8 +275,17 @@ def gelu_quantize(x: Tensor, out: Tensor, out_scale: Tensor, fp8_max: float, min
     tokens, width = x.shape
     block = min(_block(width), GELU_CHUNK)
     _gelu_quantize_kernel[(tokens,)](
-        x, out, out_scale, width, x.stride(0), out.stride(0), fp8_max, min_scale,
-        BLOCK=block, NUM_CHUNKS=triton.cdiv(width, block), num_warps=_warps(block),
+        x,
+        out,
+        out_scale,
+        width,
+        x.stride(0),
+        out.stride(0),
+        fp8_max,
+        min_scale,
+        BLOCK=block,
+        NUM_CHUNKS=triton.cdiv(width, block),
+        num_warps=_warps(block),
     )
 
 
@@ -203,7 +293,17 @@ def rms_norm_heads(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     tokens, num_heads, head_size = x.shape
     block_h, block_d = triton.next_power_of_2(num_heads), max(16, triton.next_power_of_2(head_size))
     _rms_norm_heads_kernel[(tokens,)](
-        x, weight, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), eps,
-        NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        x,
+        weight,
+        out,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        eps,
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=_warps(block_h * block_d),
     )

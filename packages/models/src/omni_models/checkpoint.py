@@ -1,8 +1,10 @@
 """Reading and writing a model directory: config.json, vocab.json and safetensors weights (sharded if large).
 
-Layout (Hugging Face style): either ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` files plus
-``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {tensor name: file name}}``). Every file
-stays at or under ``max_shard_bytes`` (16 MiB by default), so the weights can live inside a package.
+Layout (Hugging Face style, written by huggingface_hub): either ``model.safetensors`` or
+``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json`` (``{"metadata": {...},
+"weight_map": {tensor name: file name}}``). Every file stays at or under ``max_shard_bytes`` (16 MiB by default), so
+the weights can live inside a package. Reading keeps its own few lines: huggingface_hub's ``load_torch_model``
+copies into existing parameters and has no ``assign`` mode, so it cannot fill a model built on the meta device.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from omni_models.config import DiTConfig
 
@@ -23,36 +25,24 @@ MAX_SHARD_BYTES = 16 * 1024 * 1024
 _HEADER_SLACK = 64 * 1024  # safetensors JSON header: room for names, dtypes and offsets
 
 
-def save_weights(state: dict[str, torch.Tensor], directory: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-    """Write ``state`` as one file or as shards of at most ``max_shard_bytes`` each; returns the files written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
+def save_weights(
+    state: dict[str, torch.Tensor], directory: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[Path]:
+    """Write ``state`` as one file or as shards of at most ``max_shard_bytes`` each (huggingface_hub's own
+    ``save_torch_state_dict``: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus the index);
+    returns the files written."""
+    from huggingface_hub import save_torch_state_dict
+
+    # huggingface_hub counts tensor bytes only and gives a tensor larger than the limit a shard of its own; the
+    # limit here is on files, so the header gets its room and such a tensor is refused.
     budget = max_shard_bytes - _HEADER_SLACK
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
+    for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > budget:
             raise ValueError(f"tensor {name} has {nbytes} bytes, more than one shard may hold ({budget})")
-        if size + nbytes > budget and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        path = directory / WEIGHTS_NAME
-        save_file(shards[0], str(path))
-        return [path]
-    paths = []
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        path = directory / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path))
-        paths.append(path)
-        weight_map.update({name: path.name for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return paths
+    directory.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict({name: t.detach().cpu() for name, t in state.items()}, directory, max_shard_size=budget)
+    return weight_files(directory)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -95,8 +85,9 @@ def load_weights_into(model: torch.nn.Module, directory: Path, *, name: str) -> 
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"weights in {directory} do not match {name}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"weights in {directory} do not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.load_state_dict(state, assign=True)
 
 
@@ -114,8 +105,9 @@ def load_config(directory: Path) -> tuple[DiTConfig, tuple[str, ...]]:
     return config, vocabulary
 
 
-def save_model(model: torch.nn.Module, vocabulary: tuple[str, ...], directory: Path, *,
-               max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+def save_model(
+    model: torch.nn.Module, vocabulary: tuple[str, ...], directory: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[Path]:
     """Write a causal-prefix DiT (``model.config``, its vocabulary and weights) as a loadable model directory."""
     save_config(model.config, vocabulary, directory)
     return save_weights(model.state_dict(), directory, max_shard_bytes=max_shard_bytes)

@@ -78,15 +78,26 @@ def tiny_config(vocab_size: int, max_prompt_tokens: int = 16) -> DiTConfig:
     have little detail below a 4x4 patch, and the per-patch linear decoder still draws sharp edges.
     """
     return DiTConfig(
-        name="omni-shapes-tiny", width=320, depth=6, num_heads=5, patch_size=4,
-        vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens,
+        name="omni-shapes-tiny",
+        width=320,
+        depth=6,
+        num_heads=5,
+        patch_size=4,
+        vocab_size=vocab_size,
+        max_prompt_tokens=max_prompt_tokens,
     )
 
 
 def large_config(vocab_size: int = 32768, max_prompt_tokens: int = 512) -> DiTConfig:
     """A ~2B-parameter random-weight member for GPU benchmarks (1024 image tokens at 64x64 pixels, patch 2)."""
     return DiTConfig(
-        name="causal-prefix-dit-2b", width=2048, depth=28, num_heads=16, patch_size=2,
-        vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens, supported_sizes=((64, 64),),
+        name="causal-prefix-dit-2b",
+        width=2048,
+        depth=28,
+        num_heads=16,
+        patch_size=2,
+        vocab_size=vocab_size,
+        max_prompt_tokens=max_prompt_tokens,
+        supported_sizes=((64, 64),),
         default_steps=30,
     )

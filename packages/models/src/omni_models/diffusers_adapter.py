@@ -1,45 +1,41 @@
 """The adapter between omni and diffusers/transformers: the only runtime module of omni_models importing them.
 
 Install with ``pip install 'omni-models[diffusers]'``. Importing this module without them raises
-``MissingDependencyError`` saying so; ``import omni_models`` and the shipped model never import it.
+``MissingDependencyError`` saying so; ``import omni_models`` and the shipped models never import it.
 
-It owns:
-- the family table: which ``model_index.json`` pipeline class is which family, and which component classes
-  each slot may hold;
-- loading: a metadata preflight of every component (configs, safetensors headers against a meta-device model
-  built from each config) that raises ``CheckpointError`` before anything is allocated on the target device,
-  then materialization (transformer and VAE straight from safetensors into parameters built without
-  initialisation; text encoders through transformers' ``from_pretrained``), FP8 (``fp8_cache``, online or from
-  its on-disk cache), omni's attention processors, and layerwise offload (``dlo_offload``);
-- the per-family backends ``FamilyPipeline`` drives. diffusers and transformers are the source of truth: prompts
-  are encoded by the diffusers pipeline's own ``encode_prompt``, the schedule comes from the checkpoint's own
-  scheduler config through diffusers' ``retrieve_timesteps``/``calculate_shift``, the transformer and VAE are
-  diffusers' classes, images go through the pipeline's ``image_processor``.
+For any registered ``DiffusersFamily`` (``omni_models.backends``) it owns:
+- ``inspect_family``: a metadata preflight of every component (configs, safetensors headers against a meta-device
+  model built from each config, tokenizer files, the scheduler config) that raises ``CheckpointError`` naming the
+  file before anything is allocated on a device, and the family's ``ModelSpec``;
+- ``load_family``: materialization (transformer and VAE straight from safetensors into parameters built without
+  initialisation; text encoders through transformers' ``from_pretrained``), FP8 (``fp8_cache``, online or from its
+  on-disk cache), omni's attention processors, and layerwise offload (``dlo_offload``).
+diffusers and transformers are the source of truth for the math: prompts are encoded by the diffusers pipeline's
+own ``encode_prompt``, the schedule comes from the checkpoint's own scheduler config, the transformer and VAE are
+diffusers' classes, images go through the pipeline's ``image_processor``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
+import importlib
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor, nn
 
+from fp8_cache import SAFETENSORS_DTYPES
 from omni_models.errors import CheckpointError, MissingDependencyError
 
 try:
     import diffusers
     import transformers
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 except ImportError as exc:  # pragma: no cover - exercised only where the extra is missing
     raise MissingDependencyError(
         f"loading a diffusers checkpoint needs diffusers and transformers ({exc}); install them with "
@@ -50,77 +46,23 @@ from omni_models.diffusers_layout import (
     ComponentEntry,
     ExpectedTensor,
     PipelineIndex,
-    TensorHeader,
     check_weights_match,
     read_config,
     read_pipeline_index,
     read_weight_headers,
     weight_files,
 )
-from omni_models.families import (
-    MAX_IMAGES_PER_REQUEST,
-    DenoiseRow,
-    FamilyInfo,
-    FamilyName,
-    FamilyPipeline,
-    TextEmbedding,
-)
-from omni_models.family_attention import OmniFluxAttnProcessor, OmniQwenImageAttnProcessor
-from omni_models.integrations import FAMILY_DECLARATIONS, family_offload_plan
-from omni_models.limits import MAX_INFERENCE_STEPS
+from omni_models.families import DiffusersBackend, DiffusersFamily, FamilyPipeline
+from omni_models.integrations import family_offload_plan, quantize_family_fp8
+from omni_models.spec import Capabilities, ModelSpec
+
+if TYPE_CHECKING:
+    from omni_models.registry import LoadOptions
 
 logger = logging.getLogger(__name__)
 
-ComponentKind = Literal["model", "tokenizer", "scheduler"]
-SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32",
-                      torch.int64: "I64"}
-
-
-@dataclass(frozen=True)
-class Slot:
-    library: str
-    classes: tuple[str, ...]
-    kind: ComponentKind
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    family: FamilyName
-    pipeline_class: str
-    slots: Mapping[str, Slot]
-    ignored: tuple[str, ...] = ()  # optional components the family never uses (e.g. FLUX's IP-adapter encoder)
-
-
-FAMILIES: dict[str, FamilySpec] = {
-    spec.pipeline_class: spec
-    for spec in (
-        FamilySpec(
-            family="flux",
-            pipeline_class="FluxPipeline",
-            slots={
-                "transformer": Slot("diffusers", ("FluxTransformer2DModel",), "model"),
-                "vae": Slot("diffusers", ("AutoencoderKL",), "model"),
-                "text_encoder": Slot("transformers", ("CLIPTextModel",), "model"),
-                "text_encoder_2": Slot("transformers", ("T5EncoderModel",), "model"),
-                "tokenizer": Slot("transformers", ("CLIPTokenizer", "CLIPTokenizerFast"), "tokenizer"),
-                "tokenizer_2": Slot("transformers", ("T5Tokenizer", "T5TokenizerFast"), "tokenizer"),
-                "scheduler": Slot("diffusers", ("FlowMatchEulerDiscreteScheduler",), "scheduler"),
-            },
-            ignored=("image_encoder", "feature_extractor"),
-        ),
-        FamilySpec(
-            family="qwen-image",
-            pipeline_class="QwenImagePipeline",
-            slots={
-                "transformer": Slot("diffusers", ("QwenImageTransformer2DModel",), "model"),
-                "vae": Slot("diffusers", ("AutoencoderKLQwenImage",), "model"),
-                "text_encoder": Slot("transformers", ("Qwen2_5_VLForConditionalGeneration",), "model"),
-                "tokenizer": Slot("transformers", ("Qwen2Tokenizer", "Qwen2TokenizerFast"), "tokenizer"),
-                "scheduler": Slot("diffusers", ("FlowMatchEulerDiscreteScheduler",), "scheduler"),
-            },
-        ),
-    )
-}
+# The safetensors name of each non-floating dtype a model may hold (fp8_cache's table, inverted).
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items() if not dtype.is_floating_point}
 
 
 LIBRARIES = {"diffusers": diffusers, "transformers": transformers}
@@ -138,8 +80,11 @@ def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get meta-device parameters (no memory, no init); buffers and other tensors stay real.
 
     ``torch.device("meta")`` would also turn buffers and plain tensor attributes (Qwen-Image's RoPE tables) into
-    meta tensors, which no checkpoint restores, so only parameter registration is redirected here. It patches
-    ``nn.Module.register_parameter`` for the duration: do not build modules on other threads meanwhile.
+    meta tensors, which no checkpoint restores, so only parameter registration is redirected here. accelerate's
+    ``init_empty_weights(include_buffers=False)`` does not fit: it re-wraps every registered parameter, one already
+    on the meta device too, so a weight tied after construction (transformers' ``tie_weights``: T5's shared
+    embedding) comes out untied. This patches ``nn.Module.register_parameter`` for the duration and leaves meta
+    parameters as they are: do not build modules on other threads meanwhile.
     """
     register = nn.Module.register_parameter
 
@@ -157,7 +102,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 def _expected(name_to_tensor: Mapping[str, Tensor]) -> dict[str, ExpectedTensor]:
     return {
-        name: ExpectedTensor(tuple(t.shape), t.is_floating_point(), SAFETENSORS_DTYPES.get(t.dtype))
+        name: ExpectedTensor(tuple(t.shape), t.is_floating_point(), SAFETENSORS_NAMES.get(t.dtype))
         for name, t in name_to_tensor.items()
     }
 
@@ -169,7 +114,7 @@ def _expected(name_to_tensor: Mapping[str, Tensor]) -> dict[str, ExpectedTensor]
 class PreflightedModel:
     entry: ComponentEntry
     cls: type
-    config: Any                    # a dict for diffusers models, a PretrainedConfig for transformers models
+    config: Any  # a dict for diffusers models, a PretrainedConfig for transformers models
     files: list[Path]
 
 
@@ -214,20 +159,24 @@ def _preflight_transformers_model(entry: ComponentEntry, cls: type) -> Preflight
     for name, tensor in state.items():
         by_tensor.setdefault(id(tensor), []).append(name)
     alternatives = {name: tuple(n for n in names if n != name) for names in by_tensor.values() for name in names}
-    unexpected = check_weights_match(entry, headers, _expected(state), alternatives=alternatives,
-                                      ignore_unexpected=True)
+    unexpected = check_weights_match(
+        entry, headers, _expected(state), alternatives=alternatives, ignore_unexpected=True
+    )
     quiet = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())]
     extra = [name for name in unexpected if not any(p.search(name) for p in quiet)]
     # Extra weights mean the config describes another architecture (more layers, another head); other extras
     # (buffers older transformers versions saved, such as CLIP's position_ids) are skipped, as transformers does.
     structural = [name for name in extra if name.endswith((".weight", ".bias"))]
     if structural:
-        raise CheckpointError(headers[structural[0]].file,
-                              f"holds weights a model built from {entry.name}/config.json does not have: "
-                              f"{structural[:3]}{' ...' if len(structural) > 3 else ''}")
+        raise CheckpointError(
+            headers[structural[0]].file,
+            f"holds weights a model built from {entry.name}/config.json does not have: "
+            f"{structural[:3]}{' ...' if len(structural) > 3 else ''}",
+        )
     if extra:
-        logger.warning("%s: ignoring %d tensors %s does not use, e.g. %s", entry.directory, len(extra),
-                       entry.class_name, extra[:3])
+        logger.warning(
+            "%s: ignoring %d tensors %s does not use, e.g. %s", entry.directory, len(extra), entry.class_name, extra[:3]
+        )
     return PreflightedModel(entry, cls, config, weight_files(entry)[1])
 
 
@@ -237,8 +186,9 @@ TOKENIZER_VOCABULARIES = ("tokenizer.json", "vocab.json", "spiece.model")
 def _load_tokenizer(entry: ComponentEntry) -> Any:
     # transformers builds a default vocabulary from an empty directory; a checkpoint must carry its own.
     if not any((entry.directory / name).is_file() for name in TOKENIZER_VOCABULARIES):
-        raise CheckpointError(entry.directory, f"cannot load the {entry.name}: no vocabulary file "
-                                               f"({', '.join(TOKENIZER_VOCABULARIES)})")
+        raise CheckpointError(
+            entry.directory, f"cannot load the {entry.name}: no vocabulary file ({', '.join(TOKENIZER_VOCABULARIES)})"
+        )
     cls = getattr(transformers, entry.class_name, None) or transformers.AutoTokenizer
     try:
         return cls.from_pretrained(entry.directory, local_files_only=True)
@@ -251,49 +201,37 @@ def _load_scheduler(entry: ComponentEntry) -> Any:
     try:
         return library_class("diffusers", entry.class_name).from_config(config)
     except Exception as exc:
-        raise CheckpointError(entry.directory / "scheduler_config.json", f"cannot build the scheduler ({exc})") from None
+        raise CheckpointError(
+            entry.directory / "scheduler_config.json", f"cannot build the scheduler ({exc})"
+        ) from None
 
 
-def _check_components(index: PipelineIndex, spec: FamilySpec) -> dict[str, ComponentEntry]:
+def _check_components(index: PipelineIndex, family: DiffusersFamily) -> dict[str, ComponentEntry]:
     entries = {}
-    for name, slot in spec.slots.items():
+    for name, slot in family.slots.items():
         entry = index.components.get(name)
         if entry is None:
-            raise CheckpointError(index.path, f"has no {name!r} component; {spec.pipeline_class} needs one")
+            raise CheckpointError(index.path, f"has no {name!r} component; {family.pipeline_class} needs one")
         if entry.library != slot.library or entry.class_name not in slot.classes:
             raise CheckpointError(
                 index.path,
-                f"component {name!r} is [{entry.library!r}, {entry.class_name!r}]; {spec.pipeline_class} is supported "
-                f"with {slot.library} {' or '.join(slot.classes)}",
+                f"component {name!r} is [{entry.library!r}, {entry.class_name!r}]; {family.pipeline_class} is "
+                f"supported with {slot.library} {' or '.join(slot.classes)}",
             )
         module = LIBRARIES[slot.library]
         if slot.kind != "tokenizer" and not hasattr(module, entry.class_name):
-            raise CheckpointError(index.path, f"component {name!r} needs {entry.class_name}, which the installed "
-                                              f"{slot.library} {module.__version__} does not have; upgrade it")
+            raise CheckpointError(
+                index.path,
+                f"component {name!r} needs {entry.class_name}, which the installed "
+                f"{slot.library} {module.__version__} does not have; upgrade it",
+            )
         entries[name] = entry
     for name in index.components:
-        if name not in spec.slots:
-            if name not in spec.ignored:
-                raise CheckpointError(index.path, f"component {name!r} is not part of {spec.pipeline_class}")
+        if name not in family.slots:
+            if name not in family.ignored:
+                raise CheckpointError(index.path, f"component {name!r} is not part of {family.pipeline_class}")
             logger.info("%s: ignoring the optional %s component (not used by omni)", index.path, name)
     return entries
-
-
-def _check_family_configs(spec: FamilySpec, models: Mapping[str, PreflightedModel]) -> None:
-    transformer, vae = models["transformer"], models["vae"]
-    config, vae_config = transformer.config, vae.config
-    where = transformer.entry.directory / "config.json"
-    in_channels = config.get("in_channels", 64)
-    if in_channels % 4:
-        raise CheckpointError(where, f"in_channels={in_channels} is not 4 x the latent channels (2x2 packing)")
-    latent_channels = vae_config.get("latent_channels" if spec.family == "flux" else "z_dim")
-    if in_channels // 4 != latent_channels:
-        raise CheckpointError(where, f"in_channels={in_channels} needs a VAE with {in_channels // 4} latent channels, "
-                                     f"but {vae.entry.name}/config.json has {latent_channels}")
-    if spec.family == "qwen-image":
-        for option in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
-            if config.get(option):
-                raise CheckpointError(where, f"{option}=true (a Qwen-Image edit/distilled variant) is not supported")
 
 
 # --- materialisation ---------------------------------------------------------------------------------------------
@@ -318,13 +256,23 @@ def _load_diffusers_model(preflighted: PreflightedModel, *, device: torch.device
 
 
 def _load_fp8_transformer(
-    preflighted: PreflightedModel, family: FamilyName, *, device: torch.device, dtype: torch.dtype, cache_dir: Path
+    preflighted: PreflightedModel,
+    family: DiffusersFamily,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: Path,
 ) -> tuple[nn.Module, Any]:
     """The transformer with FP8 linears from ``fp8_cache``'s on-disk cache (built from the checkpoint on a miss)."""
     from fp8_cache import load_fp8_state_dict, load_fp8_weights
 
-    result = load_fp8_weights([str(f) for f in preflighted.files], cache_dir, device=device, component="transformer",
-                              ignore=FAMILY_DECLARATIONS[family].fp8_ignore)
+    result = load_fp8_weights(
+        [str(f) for f in preflighted.files],
+        cache_dir,
+        device=device,
+        component="transformer",
+        ignore=family.declaration.fp8_ignore,
+    )
     logger.info("FP8 cache %s: %s", cache_dir, "hit" if result.hit else f"miss ({result.reason})")
     model = _new_diffusers_model(preflighted, dtype)
     report = load_fp8_state_dict(model, result.tensors)
@@ -332,16 +280,18 @@ def _load_fp8_transformer(
 
 
 def load_fp8_transformer_component(
-    directory: Path, family: FamilyName, *, device: torch.device, dtype: torch.dtype, cache_dir: Path
+    directory: Path, family: DiffusersFamily, *, device: torch.device, dtype: torch.dtype, cache_dir: Path
 ) -> tuple[nn.Module, Any]:
     """A family transformer saved on its own (``save_pretrained``: config.json + safetensors) with FP8 linears from
     ``fp8_cache``'s on-disk cache in ``cache_dir`` (built from its safetensors on a miss); preflighted like a
     pipeline component. Returns the transformer and the ``QuantizationReport``."""
-    slot = next(s for s in FAMILIES.values() if s.family == family).slots["transformer"]
+    slot = family.slots["transformer"]
     class_name = read_config(ComponentEntry("transformer", slot.library, slot.classes[0], directory)).get("_class_name")
     if class_name not in slot.classes:
-        raise CheckpointError(directory / "config.json", f"_class_name {class_name!r} is not a {family} transformer "
-                                                         f"({' or '.join(slot.classes)})")
+        raise CheckpointError(
+            directory / "config.json",
+            f"_class_name {class_name!r} is not a {family.name} transformer ({' or '.join(slot.classes)})",
+        )
     entry = ComponentEntry("transformer", slot.library, class_name, directory)
     preflighted = _preflight_diffusers_model(entry, library_class(slot.library, class_name))
     return _load_fp8_transformer(preflighted, family, device=device, dtype=dtype, cache_dir=cache_dir)
@@ -352,192 +302,13 @@ def _load_transformers_model(preflighted: PreflightedModel, *, device: torch.dev
     return model.to(device).eval().requires_grad_(False)
 
 
-# --- the family backends -----------------------------------------------------------------------------------------
-
-
-def pack_latents(latents: Tensor) -> Tensor:
-    """``[B, C, H, W]`` -> ``[B, H/2 * W/2, 4C]`` (2x2 patches, the families' token layout)."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
-    """The inverse of ``pack_latents`` for latent ``height`` x ``width``."""
-    b, _, channels = tokens.shape
-    x = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, channels // 4, height, width)
-
-
-class _Backend:
-    """What both families share: geometry, the schedule, initial latents."""
-
-    family: FamilyName
-    block_lists: tuple[str, ...]
-    max_sequence_length_limit: int
-
-    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int) -> None:
-        self.pipeline = pipeline
-        self.transformer: nn.Module = pipeline.transformer
-        self.device, self.dtype = device, dtype
-        self.vae_scale_factor: int = pipeline.vae_scale_factor
-        self.latent_channels: int = self.transformer.config.in_channels // 4
-        self.max_sequence_length = max_sequence_length
-        self.block_lists = FAMILY_DECLARATIONS[self.family].block_lists
-
-    def latent_size(self, height: int, width: int) -> tuple[int, int]:
-        factor = self.vae_scale_factor * 2
-        return 2 * (height // factor), 2 * (width // factor)
-
-    def _info(self, name: str, **family_fields: Any) -> FamilyInfo:
-        multiple = self.vae_scale_factor * 2
-        default = self.pipeline.default_sample_size * self.vae_scale_factor
-        return FamilyInfo(
-            name=name, family=self.family, pixel_multiple=multiple, min_side=multiple, max_side=2 * default,
-            default_height=default, default_width=default, max_inference_steps=MAX_INFERENCE_STEPS,
-            max_images_per_request=MAX_IMAGES_PER_REQUEST, max_sequence_length=self.max_sequence_length, negative_prompt=True,
-            true_cfg=True, **family_fields,
-        )
-
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per loaded pipeline
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
-        """(sigmas [n + 1], timesteps [n]) as the diffusers pipeline computes them for this size, float32 on CPU."""
-        config = self.pipeline.scheduler.config
-        scheduler = type(self.pipeline.scheduler).from_config(config)
-        latent_h, latent_w = self.latent_size(height, width)
-        mu = calculate_shift(
-            (latent_h // 2) * (latent_w // 2), config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-        )
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if self.family == "flux" and config.get("use_flow_sigmas", False):
-            sigmas = None
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-        return scheduler.sigmas.to(torch.float32), timesteps.to(torch.float32)
-
-    def initial_latents(self, seed: int, height: int, width: int) -> Tensor:
-        """diffusers' draw for ``generator=torch.Generator("cpu").manual_seed(seed)``, packed: ``[S, 4C]``."""
-        latent_h, latent_w = self.latent_size(height, width)
-        generator = torch.Generator("cpu").manual_seed(seed)
-        noise = torch.randn((1, self.latent_channels, latent_h, latent_w), generator=generator, dtype=self.dtype)
-        return pack_latents(noise)[0].to(self.device)
-
-    def _timesteps(self, rows: Sequence[DenoiseRow]) -> Tensor:
-        # diffusers feeds ``t.to(latents.dtype) / 1000``; the same two ops keep bf16 runs identical.
-        return torch.stack([row.timestep for row in rows]).to(self.device).to(self.dtype) / 1000
-
-    def guide(self, cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
-        return uncond + scale * (cond - uncond)
-
-    def _postprocess(self, image: Tensor) -> list[Image.Image]:
-        return self.pipeline.image_processor.postprocess(image, output_type="pil")
-
-
-class FluxBackend(_Backend):
-    family = "flux"
-    max_sequence_length_limit = 512
-
-    def describe(self, name: str) -> FamilyInfo:
-        dev = bool(self.transformer.config.guidance_embeds)
-        return self._info(
-            name, variant="flux.1-dev" if dev else "flux.1-schnell", default_steps=28 if dev else 4,
-            default_true_cfg_scale=1.0, embedded_guidance=dev, default_guidance_scale=3.5 if dev else None,
-        )
-
-    def encode(self, prompt: str) -> TextEmbedding:
-        tokens, pooled, _ = self.pipeline.encode_prompt(
-            prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=1,
-            max_sequence_length=self.max_sequence_length,
-        )
-        return TextEmbedding(tokens[0], pooled[0])
-
-    @functools.lru_cache(maxsize=16)  # noqa: B019
-    def _image_ids(self, height: int, width: int) -> Tensor:
-        latent_h, latent_w = self.latent_size(height, width)
-        ids = torch.zeros(latent_h // 2, latent_w // 2, 3)
-        ids[..., 1] += torch.arange(latent_h // 2)[:, None]
-        ids[..., 2] += torch.arange(latent_w // 2)[None, :]
-        return ids.reshape(-1, 3).to(device=self.device, dtype=self.dtype)
-
-    def forward(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
-        text = torch.stack([row.text.tokens for row in rows])
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.tensor([row.guidance for row in rows], dtype=torch.float32, device=self.device)
-        return self.transformer(
-            hidden_states=torch.stack([row.latents for row in rows]),
-            timestep=self._timesteps(rows),
-            guidance=guidance,
-            pooled_projections=torch.stack([row.text.pooled for row in rows]),
-            encoder_hidden_states=text,
-            txt_ids=torch.zeros(text.shape[1], 3, device=self.device, dtype=self.dtype),
-            img_ids=self._image_ids(height, width),
-            return_dict=False,
-        )[0]
-
-    def decode(self, latents: Sequence[Tensor], height: int, width: int) -> list[Image.Image]:
-        vae = self.pipeline.vae
-        z = unpack_latents(torch.stack(list(latents)), *self.latent_size(height, width))
-        z = z / vae.config.scaling_factor + vae.config.shift_factor
-        return self._postprocess(vae.decode(z, return_dict=False)[0])
-
-
-class QwenImageBackend(_Backend):
-    family = "qwen-image"
-    max_sequence_length_limit = 1024
-
-    def describe(self, name: str) -> FamilyInfo:
-        return self._info(name, variant="qwen-image", default_steps=50, default_true_cfg_scale=4.0,
-                          embedded_guidance=False, default_guidance_scale=None, default_negative_prompt=" ")
-
-    def encode(self, prompt: str) -> TextEmbedding:
-        tokens, mask = self.pipeline.encode_prompt(
-            prompt=prompt, device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
-        )
-        if mask is not None:  # only padding is masked, and one prompt alone is never padded
-            tokens = tokens[:, : int(mask[0].sum())]
-        return TextEmbedding(tokens[0], None)
-
-    def forward(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
-        lengths = [row.text.tokens.shape[0] for row in rows]
-        text = rows[0].text.tokens.new_zeros(len(rows), max(lengths), rows[0].text.tokens.shape[1])
-        for i, row in enumerate(rows):
-            text[i, : lengths[i]] = row.text.tokens
-        latent_h, latent_w = self.latent_size(height, width)
-        return self.transformer(
-            hidden_states=torch.stack([row.latents for row in rows]),
-            encoder_hidden_states=text,
-            timestep=self._timesteps(rows),
-            img_shapes=[[(1, latent_h // 2, latent_w // 2)]] * len(rows),
-            attention_kwargs={"text_lengths": lengths},
-            return_dict=False,
-        )[0]
-
-    def guide(self, cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
-        """True CFG, then rescaled per token to the conditional prediction's norm (as QwenImagePipeline does)."""
-        combined = super().guide(cond, uncond, scale)
-        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-
-    def decode(self, latents: Sequence[Tensor], height: int, width: int) -> list[Image.Image]:
-        vae = self.pipeline.vae
-        z = unpack_latents(torch.stack(list(latents)), *self.latent_size(height, width)).unsqueeze(2).to(vae.dtype)
-        channels = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
-        return self._postprocess(vae.decode(z / inverse_std + mean, return_dict=False)[0][:, :, 0])
-
-
-BACKENDS: dict[FamilyName, type[_Backend]] = {"flux": FluxBackend, "qwen-image": QwenImageBackend}
-PROCESSORS = {"flux": OmniFluxAttnProcessor, "qwen-image": OmniQwenImageAttnProcessor}
-
-
-def _default_max_sequence_length(family: FamilyName, transformer_config: Mapping[str, Any]) -> int:
-    if family == "flux":
-        return 512 if transformer_config.get("guidance_embeds") else 256  # dev reads 512 T5 tokens, schnell 256
-    return 512
+def backend_class(family: DiffusersFamily) -> type[DiffusersBackend]:
+    module, _, name = family.backend.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_family_pipeline(
-    family: FamilyName,
+    family: DiffusersFamily,
     components: Mapping[str, Any],
     *,
     name: str,
@@ -549,43 +320,40 @@ def build_family_pipeline(
 ) -> FamilyPipeline:
     """A ``FamilyPipeline`` over already-loaded diffusers/transformers components (the diffusers pipeline's
     constructor arguments). omni's attention processors are installed on the transformer."""
-    spec = next(s for s in FAMILIES.values() if s.family == family)
-    pipeline = library_class("diffusers", spec.pipeline_class)(**components)
-    backend_cls = BACKENDS[family]
-    length = max_sequence_length or _default_max_sequence_length(family, pipeline.transformer.config)
-    if not 1 <= length <= backend_cls.max_sequence_length_limit:
-        raise ValueError(f"max_sequence_length must be in [1, {backend_cls.max_sequence_length_limit}], got {length}")
-    pipeline.transformer.set_attn_processor(PROCESSORS[family]())
+    pipeline = library_class("diffusers", family.pipeline_class)(**components)
+    length = max_sequence_length or family.default_max_sequence_length(pipeline.transformer.config)
+    if not 1 <= length <= family.max_sequence_length_limit:
+        raise ValueError(f"max_sequence_length must be in [1, {family.max_sequence_length_limit}], got {length}")
+    backend_cls = backend_class(family)
+    pipeline.transformer.set_attn_processor(backend_cls.attention_processor())
     backend = backend_cls(pipeline, device=device, dtype=dtype, max_sequence_length=length)
     return FamilyPipeline(backend, name=name, device=device, dtype=dtype, offload=offload, fp8=fp8)
 
 
 @dataclass
 class PreflightedCheckpoint:
-    """A checkpoint whose metadata passed every check: its family, its model components (config and weight files
-    checked against a meta-device model), and its tokenizers and scheduler (host objects, already built)."""
+    """A checkpoint whose metadata passed every check: its model components (config and weight files checked
+    against a meta-device model), and its tokenizers and scheduler (host objects, already built)."""
 
-    spec: FamilySpec
+    family: DiffusersFamily
     models: dict[str, PreflightedModel]
     host_components: dict[str, Any]
 
 
-def preflight_family_checkpoint(directory: Path) -> PreflightedCheckpoint:
-    """Check a diffusers checkpoint without reading any tensor data or touching a device.
+def preflight_family_checkpoint(family: DiffusersFamily, directory: Path) -> PreflightedCheckpoint:
+    """Check a diffusers checkpoint of ``family`` without reading any tensor data or touching a device.
 
-    Raises ``CheckpointError`` (one line: the file and the problem) for a directory without ``model_index.json``,
-    an unknown ``_class_name`` or component class, a missing/truncated/corrupt shard, a config that disagrees with
-    its weights, or components that do not fit each other. Reads JSON, safetensors headers and tokenizer files.
+    Raises ``CheckpointError`` (one line: the file and the problem) for a missing/truncated/corrupt shard, an
+    unknown component class, a config that disagrees with its weights, or components that do not fit each other.
+    Reads JSON, safetensors headers and tokenizer files.
     """
     index = read_pipeline_index(directory)
-    spec = FAMILIES.get(index.class_name)
-    if spec is None:
-        raise CheckpointError(index.path, f"unknown _class_name {index.class_name!r}; supported: "
-                                          f"{', '.join(sorted(FAMILIES))}")
-    entries = _check_components(index, spec)
+    if index.class_name != family.pipeline_class:
+        raise CheckpointError(index.path, f"is a {index.class_name}, not a {family.pipeline_class}")
+    entries = _check_components(index, family)
     models: dict[str, PreflightedModel] = {}
     host_components: dict[str, Any] = {}
-    for slot_name, slot in spec.slots.items():
+    for slot_name, slot in family.slots.items():
         entry = entries[slot_name]
         if slot.kind == "model":
             cls = library_class(slot.library, entry.class_name)
@@ -595,63 +363,89 @@ def preflight_family_checkpoint(directory: Path) -> PreflightedCheckpoint:
             host_components[slot_name] = _load_tokenizer(entry)
         else:
             host_components[slot_name] = _load_scheduler(entry)
-    _check_family_configs(spec, models)
-    return PreflightedCheckpoint(spec, models, host_components)
+    problem = family.check_configs(models["transformer"].config, models["vae"].config)
+    if problem is not None:
+        raise CheckpointError(models["transformer"].entry.directory / "config.json", problem)
+    return PreflightedCheckpoint(family, models, host_components)
 
 
-def load_family_pipeline(
-    directory: Path,
-    *,
-    name: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    quantization: Literal["fp8"] | None = None,
-    fp8_cache_dir: str | Path | None = None,
-    layerwise_offload: bool = False,
-    offload_resident_blocks: int = 0,
-    max_sequence_length: int | None = None,
-) -> FamilyPipeline:
-    """Preflight every component (raising ``CheckpointError`` before touching ``device``), then load.
+def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> ModelSpec:
+    """The family checkpoint's ``ModelSpec`` after its metadata preflight (``preflight_family_checkpoint``)."""
+    checked = preflight_family_checkpoint(family, directory)
+    transformer, vae = checked.models["transformer"].config, checked.models["vae"].config
+    return ModelSpec(
+        kind=family.name,
+        directory=str(directory),
+        info=family.info(name, transformer, vae, None),
+        capabilities=Capabilities(
+            fp8=True,
+            layerwise_offload=True,
+            offload_allgather=False,
+            cfg_parallel=True,
+            sequence_parallel=family.sequence_parallel,
+            attention_heads=int(transformer.get("num_attention_heads", 1)),
+        ),
+    )
 
-    ``quantization="fp8"`` swaps the transformer's linears for FP8 linears (the family's ``fp8_ignore`` stays
-    high precision): from ``fp8_cache_dir`` when it holds a current artifact (a warm start reads only the cache,
-    never the bf16 shards; a miss quantizes and publishes it), else online. ``layerwise_offload`` keeps the
-    transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
+
+def load_family(family: DiffusersFamily, directory: Path, name: str, options: LoadOptions) -> FamilyPipeline:
+    """Preflight every component (raising ``CheckpointError`` before touching the device), then load.
+
+    ``options.quantization="fp8"`` swaps the transformer's linears for FP8 linears (the family's ``fp8_ignore``
+    stays high precision): from ``options.fp8_cache_dir`` when it holds a current artifact (a warm start reads only
+    the cache, never the bf16 shards; a miss quantizes and publishes it), else online. ``options.layerwise_offload``
+    keeps the transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
     """
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
-    if fp8_cache_dir is not None and quantization != "fp8":
-        raise ValueError("fp8_cache_dir needs quantization='fp8'")
-    checked = preflight_family_checkpoint(directory)
-    spec, models, host_components = checked.spec, checked.models, checked.host_components
-
+    unsupported = [name for name, given in (
+        ("offload_allgather", options.offload_allgather), ("attention_backend", options.attention_backend is not None),
+        ("cuda_graphs", options.cuda_graphs)) if given]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: not supported by the {family.name} family (they apply to the "
+                         "causal-prefix DiT)")
+    checked = preflight_family_checkpoint(family, directory)
+    models, host_components = checked.models, checked.host_components
+    device, dtype = options.device, options.dtype
     loaded: dict[str, Any] = {}
     try:
-        transformer_device = torch.device("cpu") if layerwise_offload else device
+        transformer_device = torch.device("cpu") if options.layerwise_offload else device
         fp8 = None
         for slot_name, preflighted in models.items():
             if slot_name == "transformer":
                 continue
             load = _load_diffusers_model if preflighted.entry.library == "diffusers" else _load_transformers_model
             loaded[slot_name] = load(preflighted, device=device, dtype=dtype)
-        if quantization == "fp8" and fp8_cache_dir is not None:
+        if options.quantization == "fp8" and options.fp8_cache_dir is not None:
             loaded["transformer"], fp8 = _load_fp8_transformer(
-                models["transformer"], spec.family, device=transformer_device, dtype=dtype, cache_dir=Path(fp8_cache_dir))
+                models["transformer"],
+                family,
+                device=transformer_device,
+                dtype=dtype,
+                cache_dir=Path(options.fp8_cache_dir),
+            )
         else:
             loaded["transformer"] = _load_diffusers_model(models["transformer"], device=transformer_device, dtype=dtype)
-            if quantization == "fp8":
-                from omni_models.integrations import quantize_family_fp8
-
-                fp8 = quantize_family_fp8(spec.family, loaded["transformer"])
+            if options.quantization == "fp8":
+                fp8 = quantize_family_fp8(family.declaration, loaded["transformer"])
         offload = None
-        if layerwise_offload:
+        if options.layerwise_offload:
             from dlo_offload import enable_layerwise_offload
 
-            offload = enable_layerwise_offload(loaded["transformer"],
-                                               family_offload_plan(spec.family, offload_resident_blocks),
-                                               device=device, use_allgather=False)
-        return build_family_pipeline(spec.family, {**host_components, **loaded}, name=name, device=device,
-                                     dtype=dtype, max_sequence_length=max_sequence_length, offload=offload, fp8=fp8)
+            offload = enable_layerwise_offload(
+                loaded["transformer"],
+                family_offload_plan(family.declaration, options.offload_resident_blocks),
+                device=device,
+                use_allgather=False,
+            )
+        return build_family_pipeline(
+            family,
+            {**host_components, **loaded},
+            name=name,
+            device=device,
+            dtype=dtype,
+            max_sequence_length=options.max_sequence_length,
+            offload=offload,
+            fp8=fp8,
+        )
     except BaseException:
         loaded.clear()  # drop every component loaded so far, so a failed load leaves no device memory behind
         gc.collect()

@@ -142,11 +142,14 @@ def read_weight_headers(entry: ComponentEntry) -> dict[str, TensorHeader]:
         for name, shard in weight_map.items():
             header = headers.get(name)
             if header is None or header.file.name != shard:
-                raise CheckpointError(entry.directory / shard, f"does not hold tensor {name!r} that {index_path.name} "
-                                                             "places there")
+                raise CheckpointError(
+                    entry.directory / shard, f"does not hold tensor {name!r} that {index_path.name} places there"
+                )
         strays = sorted(set(headers) - set(weight_map))
         if strays:
-            raise CheckpointError(headers[strays[0]].file, f"holds tensors {index_path.name} does not list: {strays[:3]}")
+            raise CheckpointError(
+                headers[strays[0]].file, f"holds tensors {index_path.name} does not list: {strays[:3]}"
+            )
     return headers
 
 
@@ -177,19 +180,28 @@ def check_weights_match(
         candidates = (name, *(alternatives or {}).get(name, ()))
         stored = next((headers[c] for c in candidates if c in headers), None)
         if stored is None:
-            raise CheckpointError(entry.directory, f"weights lack tensor {name!r} that a model built from "
-                                                  f"{entry.name}/config.json needs")
+            raise CheckpointError(
+                entry.directory, f"weights lack tensor {name!r} that a model built from {entry.name}/config.json needs"
+            )
         if stored.shape != want.shape:
-            raise CheckpointError(stored.file, f"tensor {name!r} has shape {list(stored.shape)} but "
-                                              f"{entry.name}/{config_file.name} implies {list(want.shape)}")
+            raise CheckpointError(
+                stored.file,
+                f"tensor {name!r} has shape {list(stored.shape)} but "
+                f"{entry.name}/{config_file.name} implies {list(want.shape)}",
+            )
         if want.floating and stored.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(stored.file, f"tensor {name!r} is stored as {stored.dtype}; expected a floating "
-                                              f"dtype ({', '.join(sorted(FLOAT_DTYPES))})")
+            raise CheckpointError(
+                stored.file,
+                f"tensor {name!r} is stored as {stored.dtype}; expected a floating "
+                f"dtype ({', '.join(sorted(FLOAT_DTYPES))})",
+            )
         if not want.floating and want.dtype is not None and stored.dtype != want.dtype:
             raise CheckpointError(stored.file, f"tensor {name!r} is stored as {stored.dtype}; expected {want.dtype}")
     unexpected = sorted(set(headers) - set(expected) - {a for alts in (alternatives or {}).values() for a in alts})
     if unexpected and not ignore_unexpected:
-        raise CheckpointError(headers[unexpected[0]].file,
-                              f"holds tensors a model built from {entry.name}/config.json does not have: "
-                              f"{unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
+        raise CheckpointError(
+            headers[unexpected[0]].file,
+            f"holds tensors a model built from {entry.name}/config.json does not have: "
+            f"{unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}",
+        )
     return unexpected

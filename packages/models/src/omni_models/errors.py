@@ -30,4 +30,5 @@ class CheckpointError(ValueError):
 
 
 class MissingDependencyError(ImportError):
-    """An optional dependency (an extra of omni-models) is needed for what was asked; the message says what to install."""
+    """An optional dependency (an extra of omni-models) is needed for what was asked; the message says what to
+    install."""

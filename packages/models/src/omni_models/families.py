@@ -1,7 +1,8 @@
-"""Real model families (FLUX.1, Qwen-Image) from diffusers-layout checkpoints: the stepwise, batched pipeline.
+"""Real model families (FLUX.1, Qwen-Image, ...) from diffusers-layout checkpoints: the stepwise, batched pipeline.
 
-``omni_models.load(path_or_repo_id)`` returns a ``FamilyPipeline`` for a diffusers checkpoint of a supported
-family. Its one-call form mirrors diffusers' pipelines::
+``omni_models.load(path_or_repo_id)`` returns a ``FamilyPipeline`` for a diffusers checkpoint of a registered
+family (``omni_models.registry``; each family is one module under ``omni_models.backends``). Its one-call form
+mirrors diffusers' pipelines::
 
     images = pipe("a red fox in the snow", negative_prompt=None, num_inference_steps=28, guidance_scale=3.5,
                   true_cfg_scale=1.0, seed=7, height=1024, width=1024, num_images_per_prompt=2)
@@ -9,91 +10,135 @@ family. Its one-call form mirrors diffusers' pipelines::
 and the same seed gives the image diffusers draws with ``generator=torch.Generator("cpu").manual_seed(seed)``
 (image ``i`` of a prompt uses ``seed + i``; prompt ``j`` of a list starts after prompt ``j - 1``'s images).
 
-Stepwise contract (what an engine drives; ``__call__`` is built on it):
+``FamilyPipeline`` implements ``omni_models.contract.StepwisePipeline``:
 
-1. ``jobs = pipe.prepare(prompt, ..., num_images=n, request_id=...)`` validates one request (``InvalidRequestError``
-   with ``.param`` naming the field; nothing changes on bad input) and returns ``n`` ``FamilyJob``s, image ``i``
-   seeded ``seed + i``. They share one ``PromptConditioning``: the text encoders run once for the request.
-   Initial latents are drawn here (CPU generator, diffusers' recipe) and placed on the device.
-2. ``pipe.encode_prompts(jobs)`` runs the text encoders for every conditioning among ``jobs`` that is not encoded
-   yet, each distinct text once. Call it for newly admitted jobs; it is a no-op for encoded ones.
-3. ``pipe.run_denoise_step(jobs)`` advances every job by one step. Jobs may come from different requests, be at
-   different step indices and use different guidance; rows (cond, plus uncond under true CFG) of all jobs with
-   the same image size go through ONE transformer forward, one forward per distinct size. A job appears at most
-   once per call; it must be encoded and unfinished.
-4. ``job.finished`` after ``job.num_steps`` steps; ``pipe.decode(jobs)`` returns their images (one VAE decode per
-   distinct size).
+1. ``prepare(resolved)`` returns ``n`` ``FamilyJob``s sharing one ``PromptConditioning`` (the text encoders run
+   once for the request); initial latents are drawn here (CPU generator, diffusers' recipe) and placed on the
+   device.
+2. ``start(jobs)`` runs the text encoders for every conditioning among ``jobs`` not encoded yet, each distinct
+   text once.
+3. ``step(jobs)`` advances every job by one step: rows (cond, plus uncond under true CFG) of all jobs with the same
+   image size go through ONE transformer forward, one forward per distinct size. Jobs may come from different
+   requests, be at different step indices and use different guidance.
+4. ``decode(jobs)`` returns their images (one VAE decode per distinct size).
 
-``FamilyInfo`` (``pipe.info``) says what a server may accept: sizes (``pixel_multiple`` steps from ``min_side``
-to ``max_side``), defaults, and which of negative prompt / true CFG / embedded guidance apply.
+Guidance (``omni_models.request``): ``guidance_scale`` is the model's guidance. For a family with embedded guidance
+(FLUX.1-dev) it is the transformer's guidance input and ``true_cfg_scale`` adds classifier-free guidance on top;
+for the others (Qwen-Image, FLUX.1-schnell) ``guidance_scale`` is the true-CFG scale. True CFG runs (a cond and an
+uncond row per step) when its scale is > 1 and the job has a negative prompt.
 
-Guidance, as in diffusers: ``guidance_scale`` is FLUX.1-dev's *embedded* guidance (a model input, no extra row);
-it is refused by families without it. ``true_cfg_scale`` is classifier-free guidance with a negative prompt: it
-applies when ``true_cfg_scale > 1`` AND a negative prompt is given (then each image runs a cond and an uncond
-row); otherwise one row.
-
-This module is pure torch: the family-specific work (diffusers' classes, prompt encoding, the schedule, VAE)
-is the ``FamilyBackend`` from ``omni_models.diffusers_adapter``.
+This module is pure torch. What is family-specific is a ``DiffusersFamily`` (its components, what omni's libraries
+may do with its transformer, its ``ModelInfo``) and a ``DiffusersBackend`` subclass (prompt encoding, the forward,
+guidance, the VAE decode), both in the family's module; ``omni_models.diffusers_adapter`` loads them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import random
+import functools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import msgspec
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from omni_models.errors import InvalidRequestError
-from omni_models.limits import check_prompt, check_prompt_batch, check_scale, check_seed, check_steps
+from omni_models.request import ResolvedRequest, prepare_one_call
+from omni_models.spec import ModelInfo
 
 if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
     from fp8_cache import QuantizationReport
+    from omni_models.parallel import ParallelState
 
-FamilyName = Literal["flux", "qwen-image"]
-MAX_IMAGES_PER_REQUEST = 16
+ComponentKind = Literal["model", "tokenizer", "scheduler"]
+FAMILY_ACCEPTS = (
+    "prompt",
+    "negative_prompt",
+    "size",
+    "num_inference_steps",
+    "guidance_scale",
+    "true_cfg_scale",
+    "n",
+    "seed",
+)
+
+
+# --- what a family declares ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class FamilyInfo:
-    """What a loaded family accepts (sizes in pixels; ``height`` and ``width`` alike)."""
+class Slot:
+    """One component of a diffusers pipeline: the library and the classes it may hold."""
 
-    name: str                       # what was loaded (path or repo id)
-    family: FamilyName
-    variant: str                    # "flux.1-dev" (embedded guidance), "flux.1-schnell" (none), "qwen-image"
-    pixel_multiple: int             # height and width must be multiples of this (VAE factor x patch 2)
-    min_side: int
-    max_side: int
-    default_height: int
-    default_width: int
-    default_steps: int
-    max_inference_steps: int
-    max_images_per_request: int
-    max_sequence_length: int        # prompt tokens the text encoder reads (longer prompts are truncated)
-    negative_prompt: bool           # a negative prompt is accepted (it is the uncond row of true CFG)
-    true_cfg: bool                  # true_cfg_scale applies (with a negative prompt)
-    default_true_cfg_scale: float
-    embedded_guidance: bool         # guidance_scale applies (an input of the model, no extra row)
-    default_guidance_scale: float | None
-    # What a server uses when a request gives no negative prompt (None: no true CFG without one). Qwen-Image's
-    # default true_cfg_scale 4.0 only applies with a negative prompt, so servers default it to " " (what diffusers'
-    # QwenImagePipeline documents for CFG without a negative). The pipeline's own ``__call__``/``prepare`` keep
-    # diffusers' default (None), so a direct call and diffusers' call stay the same call.
-    default_negative_prompt: str | None = None
+    library: str
+    classes: tuple[str, ...]
+    kind: ComponentKind
+
+
+@dataclass(frozen=True)
+class FamilyDeclaration:
+    """A family's transformer as omni's libraries see it (paths are its module names).
+
+    ``block_lists`` are the repeated blocks in the order the forward runs them (streamed by layerwise offload,
+    compiled one block at a time); ``resident_modules`` every other module holding weights (kept on the device
+    under offload); ``fp8_ignore`` the linears kept in high precision under FP8 (fnmatch patterns for
+    ``fp8_cache.quantize_model``).
+    """
+
+    block_lists: tuple[str, ...]
+    resident_modules: tuple[str, ...]
+    fp8_ignore: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DiffusersFamily:
+    """Everything about one diffusers family that is not its backend's math.
+
+    ``info(name, transformer_config, vae_config, max_sequence_length)`` computes the family's ``ModelInfo`` from the
+    component configs alone (``omni_models.inspect`` and the loaded pipeline agree by construction);
+    ``check_configs(transformer_config, vae_config)`` returns why the components do not fit (or None);
+    ``backend`` names the ``DiffusersBackend`` subclass (``"module:Class"``).
+    """
+
+    name: str
+    pipeline_class: str
+    slots: Mapping[str, Slot]
+    declaration: FamilyDeclaration
+    backend: str
+    info: Callable[[str, Mapping[str, Any], Mapping[str, Any], int | None], ModelInfo]
+    check_configs: Callable[[Mapping[str, Any], Mapping[str, Any]], str | None]
+    default_max_sequence_length: Callable[[Mapping[str, Any]], int]
+    max_sequence_length_limit: int
+    sequence_parallel: bool = False  # Ulysses SP splits its rows' tokens (rows without ragged text)
+    ignored: tuple[str, ...] = ()  # optional components the family never uses (e.g. FLUX's IP-adapter encoder)
+
+
+def packing_problem(transformer_config: Mapping[str, Any], vae_latent_channels: Any) -> str | None:
+    """Why a transformer's 2x2-packed inputs do not fit the VAE's latent channels (every family), or None."""
+    in_channels = transformer_config.get("in_channels", 64)
+    if in_channels % 4:
+        return f"in_channels={in_channels} is not 4 x the latent channels (2x2 packing)"
+    if in_channels // 4 != vae_latent_channels:
+        return (
+            f"in_channels={in_channels} needs a VAE with {in_channels // 4} latent channels, but the VAE has "
+            f"{vae_latent_channels}"
+        )
+    return None
+
+
+# --- the stepwise state -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class TextEmbedding:
     """One prompt through the family's text encoders (on the pipeline's device and dtype)."""
 
-    tokens: Tensor            # [L, D]
-    pooled: Tensor | None     # [P]: FLUX's CLIP pooled output; None for Qwen-Image
+    tokens: Tensor  # [L, D]
+    pooled: Tensor | None  # [P]: FLUX's CLIP pooled output; None for Qwen-Image
 
 
 @dataclass(eq=False)
@@ -110,34 +155,21 @@ class PromptConditioning:
         return self.cond is not None and (self.negative_prompt is None or self.uncond is not None)
 
 
-@dataclass(frozen=True)
-class FamilyRequest:
-    """A validated request for one image: every field concrete (defaults and the random seed chosen)."""
-
-    prompt: str
-    negative_prompt: str | None
-    num_inference_steps: int
-    guidance_scale: float | None      # embedded guidance; None for families without it
-    true_cfg_scale: float
-    seed: int
-    height: int
-    width: int
-
-    @property
-    def guided(self) -> bool:
-        """True CFG runs (a cond and an uncond row per step)."""
-        return self.negative_prompt is not None and self.true_cfg_scale > 1.0
-
-
 @dataclass(eq=False)
 class FamilyJob:
-    """The mutable state of one image. Invariant: ``latents`` is the sampler state after ``step_index`` steps."""
+    """The mutable state of one image. Invariant: ``latents`` is the sampler state after ``step_index`` steps.
 
-    request: FamilyRequest
+    ``request`` is this image's own request (``n == 1``, its own seed); ``guidance`` the embedded guidance input
+    (None for families without it) and ``true_cfg_scale`` the classifier-free scale, as the family maps them.
+    """
+
+    request: ResolvedRequest
+    guidance: float | None
+    true_cfg_scale: float
     conditioning: PromptConditioning
-    latents: Tensor           # packed [image tokens, channels], the pipeline's dtype and device
-    sigmas: Tensor            # float32 [num_steps + 1], CPU, the checkpoint scheduler's sigmas (last one 0)
-    timesteps: Tensor         # float32 [num_steps], CPU, what the transformer sees (x 1/1000)
+    latents: Tensor  # packed [image tokens, channels], the pipeline's dtype and device
+    sigmas: Tensor  # float32 [num_steps + 1], CPU, the checkpoint scheduler's sigmas (last one 0)
+    timesteps: Tensor  # float32 [num_steps], CPU, what the transformer sees (x 1/1000)
     step_index: int = 0
     request_id: str | None = field(default=None)
 
@@ -151,7 +183,12 @@ class FamilyJob:
 
     @property
     def guided(self) -> bool:
-        return self.request.guided
+        """True CFG runs (a cond and an uncond row per step)."""
+        return self.conditioning.negative_prompt is not None
+
+    @property
+    def num_rows(self) -> int:
+        return 2 if self.guided else 1
 
     @property
     def size(self) -> tuple[int, int]:
@@ -162,19 +199,19 @@ class FamilyJob:
 class DenoiseRow:
     """One transformer row of a batched forward."""
 
-    latents: Tensor           # [S, C]
+    latents: Tensor  # [S, C]
     text: TextEmbedding
-    timestep: Tensor          # float32 0-dim, in [0, 1000]
+    timestep: Tensor  # float32 0-dim, in [0, 1000]
     guidance: float | None
 
 
 class FamilyBackend(Protocol):
-    """The family-specific half (implemented in ``omni_models.diffusers_adapter``)."""
+    """The family-specific half (a ``DiffusersBackend`` subclass in the family's module)."""
 
     transformer: nn.Module
     block_lists: tuple[str, ...]
 
-    def describe(self, name: str) -> FamilyInfo: ...
+    def describe(self, name: str) -> ModelInfo: ...
     def schedule(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]: ...
     def initial_latents(self, seed: int, height: int, width: int) -> Tensor: ...
     def encode(self, prompt: str) -> TextEmbedding: ...
@@ -183,10 +220,86 @@ class FamilyBackend(Protocol):
     def decode(self, latents: Sequence[Tensor], height: int, width: int) -> list[Image.Image]: ...
 
 
-def check_num_images(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_IMAGES_PER_REQUEST:
-        raise InvalidRequestError(f"n must be an integer in [1, {MAX_IMAGES_PER_REQUEST}], got {value!r}", param="n")
-    return value
+def pack_latents(latents: Tensor) -> Tensor:
+    """``[B, C, H, W]`` -> ``[B, H/2 * W/2, 4C]`` (2x2 patches, the families' token layout)."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """The inverse of ``pack_latents`` for latent ``height`` x ``width``."""
+    b, _, channels = tokens.shape
+    x = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, height, width)
+
+
+class DiffusersBackend:
+    """What every diffusers family's backend shares: geometry, the schedule, initial latents, true CFG.
+
+    It holds the diffusers pipeline object (built over the loaded components) and uses its own ``encode_prompt``,
+    scheduler config, VAE and ``image_processor``; diffusers itself is imported only where its functions are
+    called, so the family modules import without it.
+    """
+
+    family: DiffusersFamily
+
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int) -> None:
+        self.pipeline = pipeline
+        self.transformer: nn.Module = pipeline.transformer
+        self.device, self.dtype = device, dtype
+        self.vae_scale_factor: int = pipeline.vae_scale_factor
+        self.latent_channels: int = self.transformer.config.in_channels // 4
+        self.max_sequence_length = max_sequence_length
+        self.block_lists = self.family.declaration.block_lists
+
+    def describe(self, name: str) -> ModelInfo:
+        return self.family.info(
+            name, dict(self.transformer.config), dict(self.pipeline.vae.config), self.max_sequence_length
+        )
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        factor = self.vae_scale_factor * 2
+        return 2 * (height // factor), 2 * (width // factor)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per loaded pipeline
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
+        """(sigmas [n + 1], timesteps [n]) as the diffusers pipeline computes them for this size, float32 on CPU."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        config = self.pipeline.scheduler.config
+        scheduler = type(self.pipeline.scheduler).from_config(config)
+        latent_h, latent_w = self.latent_size(height, width)
+        mu = calculate_shift(
+            (latent_h // 2) * (latent_w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = None if self.uses_flow_sigmas(config) else np.linspace(1.0, 1 / num_steps, num_steps)
+        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+        return scheduler.sigmas.to(torch.float32), timesteps.to(torch.float32)
+
+    def uses_flow_sigmas(self, scheduler_config: Mapping[str, Any]) -> bool:
+        """Whether the scheduler makes its own sigmas (the pipeline then passes none)."""
+        return False
+
+    def initial_latents(self, seed: int, height: int, width: int) -> Tensor:
+        """diffusers' draw for ``generator=torch.Generator("cpu").manual_seed(seed)``, packed: ``[S, 4C]``."""
+        latent_h, latent_w = self.latent_size(height, width)
+        generator = torch.Generator("cpu").manual_seed(seed)
+        noise = torch.randn((1, self.latent_channels, latent_h, latent_w), generator=generator, dtype=self.dtype)
+        return pack_latents(noise)[0].to(self.device)
+
+    def timesteps(self, rows: Sequence[DenoiseRow]) -> Tensor:
+        # diffusers feeds ``t.to(latents.dtype) / 1000``; the same two ops keep bf16 runs identical.
+        return torch.stack([row.timestep for row in rows]).to(self.device).to(self.dtype) / 1000
+
+    def guide(self, cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
+        return uncond + scale * (cond - uncond)
+
+    def postprocess(self, image: Tensor) -> list[Image.Image]:
+        return self.pipeline.image_processor.postprocess(image, output_type="pil")
 
 
 def euler_step(latents: Tensor, velocity: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
@@ -218,86 +331,40 @@ class FamilyPipeline:
     def transformer(self) -> nn.Module:
         return self.backend.transformer
 
-    # --- request validation -------------------------------------------------------------------------------------
+    # --- the stepwise contract ----------------------------------------------------------------------------------
 
-    def _check_size(self, value: Any, param: str) -> int:
-        info = self.info
-        if isinstance(value, bool) or not isinstance(value, int) or value % info.pixel_multiple \
-                or not info.min_side <= value <= info.max_side:
-            raise InvalidRequestError(
-                f"{param} must be a multiple of {info.pixel_multiple} in [{info.min_side}, {info.max_side}] for "
-                f"{info.variant}, got {value!r}",
-                param=param,
-            )
-        return value
-
-    def _request(
-        self, prompt: Any, negative_prompt: Any, num_inference_steps: Any, guidance_scale: Any, true_cfg_scale: Any,
-        seed: int, height: Any, width: Any,
-    ) -> FamilyRequest:
-        info = self.info
-        check_prompt(prompt)
-        if negative_prompt is not None and not isinstance(negative_prompt, str):
-            raise InvalidRequestError(
-                f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}",
-                param="negative_prompt",
-            )
-        steps = check_steps(info.default_steps if num_inference_steps is None else num_inference_steps)
-        if info.embedded_guidance:
-            guidance = check_scale(info.default_guidance_scale if guidance_scale is None else guidance_scale,
-                                   "guidance_scale")
-        elif guidance_scale is not None:
-            raise InvalidRequestError(
-                f"{info.variant} has no embedded guidance; guidance_scale must be omitted (use true_cfg_scale with a "
-                "negative_prompt for classifier-free guidance)",
-                param="guidance_scale",
-            )
-        else:
-            guidance = None
-        cfg = check_scale(info.default_true_cfg_scale if true_cfg_scale is None else true_cfg_scale, "true_cfg_scale")
-        return FamilyRequest(
-            prompt=prompt, negative_prompt=negative_prompt, num_inference_steps=steps, guidance_scale=guidance,
-            true_cfg_scale=cfg, seed=seed,
-            height=self._check_size(info.default_height if height is None else height, "height"),
-            width=self._check_size(info.default_width if width is None else width, "width"),
-        )
-
-    # --- stepwise API -------------------------------------------------------------------------------------------
-
-    def prepare(
-        self,
-        prompt: str,
-        negative_prompt: str | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        true_cfg_scale: float | None = None,
-        seed: int | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        num_images: int = 1,
-        request_id: str | None = None,
-    ) -> list[FamilyJob]:
-        """Validate one request and build its ``num_images`` jobs (image ``i`` uses ``seed + i``), sharing one
-        ``PromptConditioning``. Raises InvalidRequestError (``.param`` names the field); nothing runs on the model.
-        """
-        check_num_images(num_images)
-        seed = random.SystemRandom().randrange(2**31) if seed is None else check_seed(seed, reserve=num_images - 1)
-        base = self._request(prompt, negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed,
-                             height, width)
-        conditioning = PromptConditioning(base.prompt, base.negative_prompt if base.guided else None)
-        sigmas, timesteps = self.backend.schedule(base.num_inference_steps, base.height, base.width)
+    def prepare(self, request: ResolvedRequest, *, request_id: str | None = None) -> list[FamilyJob]:
+        """The request's ``n`` jobs (image ``i`` seeded ``seed + i``) sharing one ``PromptConditioning``; nothing
+        runs on the model."""
+        limits = self.info.image
+        assert limits is not None
+        if limits.guidance == "embedded":
+            guidance, cfg = request.guidance_scale, request.true_cfg_scale
+        else:  # guidance_scale is the true-CFG scale
+            guidance, cfg = None, request.guidance_scale
+        assert cfg is not None
+        guided = request.negative_prompt is not None and cfg > 1.0
+        conditioning = PromptConditioning(request.prompt, request.negative_prompt if guided else None)
+        sigmas, timesteps = self.backend.schedule(request.num_inference_steps, request.height, request.width)
         jobs = []
-        for index in range(num_images):
-            request = dataclasses.replace(base, seed=base.seed + index)
-            jobs.append(FamilyJob(
-                request=request, conditioning=conditioning,
-                latents=self.backend.initial_latents(request.seed, request.height, request.width),
-                sigmas=sigmas, timesteps=timesteps, request_id=request_id,
-            ))
+        for index in range(request.n):
+            image = msgspec.structs.replace(request, n=1, seed=request.seed + index)
+            jobs.append(
+                FamilyJob(
+                    request=image,
+                    guidance=guidance,
+                    true_cfg_scale=cfg,
+                    conditioning=conditioning,
+                    latents=self.backend.initial_latents(image.seed, image.height, image.width),
+                    sigmas=sigmas,
+                    timesteps=timesteps,
+                    request_id=request_id,
+                )
+            )
         return jobs
 
     @torch.no_grad()
-    def encode_prompts(self, jobs: Sequence[FamilyJob]) -> None:
+    def start(self, jobs: Sequence[FamilyJob]) -> None:
         """Run the text encoders for every not-yet-encoded conditioning among ``jobs``, each distinct text once."""
         encoded: dict[str, TextEmbedding] = {}
 
@@ -324,12 +391,12 @@ class FamilyPipeline:
                 raise ValueError(f"job {job.request_id or id(job)} appears twice in one batch")
             seen.add(id(job))
             if not job.conditioning.encoded:
-                raise ValueError("encode_prompts must run for a job before its first denoise step")
+                raise ValueError("start() must run for a job before its first step")
             if job.finished:
                 raise ValueError(f"job already ran all {job.num_steps} steps; decode it")
 
     @torch.no_grad()
-    def run_denoise_step(self, jobs: Sequence[FamilyJob]) -> None:
+    def step(self, jobs: Sequence[FamilyJob]) -> None:
         """One step for every job: one transformer forward per distinct image size, all rows of that size in it."""
         self._check_batch(jobs)
         by_size: dict[tuple[int, int], list[FamilyJob]] = defaultdict(list)
@@ -338,16 +405,16 @@ class FamilyPipeline:
         for (height, width), group in by_size.items():
             rows = []
             for job in group:
-                conditioning, request = job.conditioning, job.request
+                conditioning = job.conditioning
                 timestep = job.timesteps[job.step_index]
-                rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, request.guidance_scale))
+                rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance))
                 if job.guided:
-                    rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, request.guidance_scale))
+                    rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance))
             velocities = iter(self.backend.forward(rows, height, width))
             for job in group:
                 velocity = next(velocities)
                 if job.guided:
-                    velocity = self.backend.guide(velocity, next(velocities), job.request.true_cfg_scale)
+                    velocity = self.backend.guide(velocity, next(velocities), job.true_cfg_scale)
                 i = job.step_index
                 job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
                 job.step_index += 1
@@ -364,9 +431,23 @@ class FamilyPipeline:
         images: list[Image.Image | None] = [None] * len(jobs)
         for (height, width), indices in by_size.items():
             decoded = self.backend.decode([jobs[i].latents for i in indices], height, width)
-            for i, image in zip(indices, decoded):
+            for i, image in zip(indices, decoded, strict=True):
                 images[i] = image
         return images  # type: ignore[return-value]
+
+    def release(self, jobs: Sequence[FamilyJob]) -> None:
+        """Drop the jobs' text embeddings (the request's conditioning is shared by its jobs)."""
+        for job in jobs:
+            job.conditioning.cond = job.conditioning.uncond = None
+
+    def close(self) -> None:
+        """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""
+
+    def enable_parallel(self, state: ParallelState) -> None:
+        """Run this rank's share of every transformer forward (``omni_models.family_parallel``)."""
+        from omni_models.family_parallel import enable_family_parallel
+
+        enable_family_parallel(self, state)
 
     # --- one-call generation ------------------------------------------------------------------------------------
 
@@ -386,24 +467,30 @@ class FamilyPipeline:
         """Images for each prompt, ``num_images_per_prompt`` each, seeds consecutive from ``seed``.
 
         ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, S, C]})`` observes every step.
-        Every prompt is validated before the model runs.
+        Every prompt is validated before the model runs. ``negative_prompt=None`` means none (diffusers' default),
+        not the model's default negative prompt that servers use.
         """
-        prompts, negatives = check_prompt_batch(prompt, negative_prompt)
-        check_num_images(num_images_per_prompt)
-        total = len(prompts) * num_images_per_prompt
-        seed = random.SystemRandom().randrange(2**31) if seed is None else check_seed(seed, reserve=total - 1)
-        jobs = [
-            job
-            for index, (text, negative) in enumerate(zip(prompts, negatives))
-            for job in self.prepare(text, negative, num_inference_steps, guidance_scale, true_cfg_scale,
-                                    seed + index * num_images_per_prompt, height, width, num_images_per_prompt)
-        ]
-        self.encode_prompts(jobs)
+        jobs = prepare_one_call(
+            self,
+            prompt,
+            negative_prompt,
+            seed,
+            n=num_images_per_prompt,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            true_cfg_scale=true_cfg_scale,
+        )
+        self.start(jobs)
         for step in range(jobs[0].num_steps):
-            self.run_denoise_step(jobs)
+            self.step(jobs)
             if callback_on_step_end is not None:
-                callback_on_step_end(self, step, jobs[0].timesteps[step], {"latents": torch.stack([j.latents for j in jobs])})
-        return self.decode(jobs)
+                latents = torch.stack([j.latents for j in jobs])
+                callback_on_step_end(self, step, jobs[0].timesteps[step], {"latents": latents})
+        images = self.decode(jobs)
+        self.release(jobs)
+        return images
 
     # --- options ------------------------------------------------------------------------------------------------
 
@@ -419,5 +506,20 @@ class FamilyPipeline:
                 block.compile(**compile_kwargs)
 
 
-__all__ = ["DenoiseRow", "FamilyBackend", "FamilyInfo", "FamilyJob", "FamilyName", "FamilyPipeline",
-           "FamilyRequest", "PromptConditioning", "TextEmbedding", "check_num_images", "euler_step"]
+__all__ = [
+    "FAMILY_ACCEPTS",
+    "DenoiseRow",
+    "DiffusersBackend",
+    "DiffusersFamily",
+    "FamilyBackend",
+    "FamilyDeclaration",
+    "FamilyJob",
+    "FamilyPipeline",
+    "packing_problem",
+    "PromptConditioning",
+    "Slot",
+    "TextEmbedding",
+    "euler_step",
+    "pack_latents",
+    "unpack_latents",
+]

@@ -27,7 +27,8 @@ def _heads(x: Tensor, head_dim: int) -> Tensor:
 
 
 def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """FLUX's rotary embedding on ``[B, S, H, D]``: pairs ``(x[2i], x[2i+1])`` rotate by the angles in cos/sin ``[S, D]``."""
+    """FLUX's rotary embedding on ``[B, S, H, D]``: pairs ``(x[2i], x[2i+1])`` rotate by the angles in cos/sin
+    ``[S, D]``."""
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
@@ -60,7 +61,9 @@ class OmniFluxAttnProcessor:
         if attention_mask is not None:
             raise ValueError("omni's FLUX attention takes no attention_mask: FLUX attends over every token")
         if getattr(attn, "fused_projections", False):
-            raise ValueError("omni's FLUX attention needs unfused projections; call transformer.unfuse_qkv_projections()")
+            raise ValueError(
+                "omni's FLUX attention needs unfused projections; call transformer.unfuse_qkv_projections()"
+            )
         head_dim = attn.head_dim
         query = attn.norm_q(_heads(attn.to_q(hidden_states), head_dim))
         key = attn.norm_k(_heads(attn.to_k(hidden_states), head_dim))
@@ -107,8 +110,14 @@ class OmniQwenImageAttnProcessor:
         head_dim = attn.inner_dim // attn.heads
         streams = []
         for x, to_q, to_k, to_v, norm_q, norm_k in (
-            (encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
-             attn.norm_added_k),
+            (
+                encoder_hidden_states,
+                attn.add_q_proj,
+                attn.add_k_proj,
+                attn.add_v_proj,
+                attn.norm_added_q,
+                attn.norm_added_k,
+            ),
             (hidden_states, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k),
         ):
             query, key, value = (_heads(proj(x), head_dim) for proj in (to_q, to_k, to_v))
@@ -125,15 +134,31 @@ class OmniQwenImageAttnProcessor:
         text_len, image_len = encoder_hidden_states.shape[1], hidden_states.shape[1]
         if text_lengths is not None and not all(0 < n <= text_len for n in text_lengths):
             raise ValueError(f"text_lengths {list(text_lengths)} must each be in [1, {text_len}]")
-        lengths = None if text_lengths is None else row_lengths([image_len + n for n in text_lengths],
-                                                                 image_len + text_len)
+        lengths = (
+            None if text_lengths is None else row_lengths([image_len + n for n in text_lengths], image_len + text_len)
+        )
         if lengths is None:  # diffusers' own order, [text, image]: the same numbers as its processor
-            out = attention(torch.cat([text_query, image_query], dim=1), torch.cat([text_key, image_key], dim=1),
-                            torch.cat([text_value, image_value], dim=1)).flatten(2, 3).to(text_query.dtype)
+            out = (
+                attention(
+                    torch.cat([text_query, image_query], dim=1),
+                    torch.cat([text_key, image_key], dim=1),
+                    torch.cat([text_value, image_value], dim=1),
+                )
+                .flatten(2, 3)
+                .to(text_query.dtype)
+            )
             text_out, image_out = out[:, :text_len], out[:, text_len:]
         else:
-            out = attention(torch.cat([image_query, text_query], dim=1), torch.cat([image_key, text_key], dim=1),
-                            torch.cat([image_value, text_value], dim=1), lengths).flatten(2, 3).to(text_query.dtype)
+            out = (
+                attention(
+                    torch.cat([image_query, text_query], dim=1),
+                    torch.cat([image_key, text_key], dim=1),
+                    torch.cat([image_value, text_value], dim=1),
+                    lengths,
+                )
+                .flatten(2, 3)
+                .to(text_query.dtype)
+            )
             image_out, text_out = out[:, :image_len], out[:, image_len:]
         image_out = attn.to_out[0](image_out.contiguous())
         if len(attn.to_out) > 1:

@@ -1,9 +1,9 @@
 """One request of a diffusers family on several ranks: CFG-parallel rows (FLUX.1, Qwen-Image) and Ulysses sequence
 parallelism (FLUX.1).
 
-Same contract as ``omni_models.parallel`` (groups from ``dlo_offload``'s parallel state through ``init_parallel``;
-every rank runs the same ``FamilyPipeline`` calls, each computes its share and every rank ends each forward with
-every row's velocity, so every rank advances every job alike and any rank decodes):
+Same contract as ``omni_models.parallel`` (the CFG and SP groups of ``init_parallel``'s device mesh; every rank
+runs the same ``FamilyPipeline`` calls, each computes its share and every rank ends each forward with every row's
+velocity, so every rank advances every job alike and any rank decodes):
 
 - CFG-parallel: the rows of one transformer forward (cond and uncond rows of true-CFG jobs, single rows of the
   others) are cut into ``cfg`` contiguous shares of near-equal count (rows of one forward have the same size, so
@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from diffusion_kv import cdiv
-
 from omni_models.family_attention import OmniFluxAttnProcessor
 from omni_models.parallel import ParallelState, check_sequence_parallel
 
@@ -88,8 +87,9 @@ class ParallelFamilyBackend:
         per_rank = cdiv(len(rows), state.cfg_size)
         mine = list(rows[state.cfg_rank * per_rank : (state.cfg_rank + 1) * per_rank])
         if mine:
-            local = self._forward_sp(mine, height, width) if state.sp_size > 1 else self.inner.forward(mine, height,
-                                                                                                      width)
+            local = (
+                self._forward_sp(mine, height, width) if state.sp_size > 1 else self.inner.forward(mine, height, width)
+            )
         else:
             local = None
         if state.cfg_size == 1:
@@ -108,17 +108,23 @@ class ParallelFamilyBackend:
         latents = torch.stack([row.latents for row in rows])
         for name, length in (("text", text.shape[1]), ("image", latents.shape[1])):
             if length % state.sp_size:
-                raise ValueError(f"--sequence-parallel-size {state.sp_size} does not divide the {length} {name} tokens "
-                                 "of this forward; choose a size (or max_sequence_length) they divide into")
+                raise ValueError(
+                    f"a sequence-parallel size of {state.sp_size} does not divide the {length} {name} tokens "
+                    "of this forward; choose a size (or max_sequence_length) they divide into"
+                )
         guidance = None
         if inner.transformer.config.guidance_embeds:
             guidance = torch.tensor([row.guidance for row in rows], dtype=torch.float32, device=inner.device)
         txt_ids = torch.zeros(text.shape[1], 3, device=inner.device, dtype=inner.dtype)
         local = inner.transformer(
-            hidden_states=_slice(latents, 1, state), timestep=inner._timesteps(rows), guidance=guidance,
+            hidden_states=_slice(latents, 1, state),
+            timestep=inner.timesteps(rows),
+            guidance=guidance,
             pooled_projections=torch.stack([row.text.pooled for row in rows]),
-            encoder_hidden_states=_slice(text, 1, state), txt_ids=_slice(txt_ids, 0, state),
-            img_ids=_slice(inner._image_ids(height, width), 0, state), return_dict=False,
+            encoder_hidden_states=_slice(text, 1, state),
+            txt_ids=_slice(txt_ids, 0, state),
+            img_ids=_slice(inner.image_ids(height, width), 0, state),
+            return_dict=False,
         )[0]
         gathered = local.new_empty((state.sp_size * local.shape[0], *local.shape[1:]))
         _all_gather(gathered, local.contiguous(), group=state.sp_group)  # rank-major: [sp * B, S / sp, C]
@@ -130,9 +136,11 @@ def enable_family_parallel(pipe: FamilyPipeline, state: ParallelState) -> None:
     if isinstance(pipe.backend, ParallelFamilyBackend):
         raise RuntimeError("this pipeline already runs in parallel")
     if state.sp_size > 1:
-        if pipe.info.family != "flux":
-            raise ValueError(f"--sequence-parallel-size applies to FLUX.1 among the families; {pipe.info.family} rows "
-                             "carry ragged text that the Ulysses split does not handle yet (use --cfg-parallel-size)")
+        if not pipe.backend.family.sequence_parallel:
+            raise ValueError(
+                f"sequence parallelism applies to FLUX.1 among the families; {pipe.info.family} rows "
+                "carry ragged text that the Ulysses split does not handle yet (use CFG-parallelism)"
+            )
         check_sequence_parallel(pipe.transformer.config.num_attention_heads, state.sp_size)
         pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state))
     pipe.backend = ParallelFamilyBackend(pipe.backend, state)

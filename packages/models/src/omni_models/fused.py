@@ -115,8 +115,9 @@ def _check_row_ids(row_ids: Tensor, tokens: int, num_rows: int, device: torch.de
         raise ValueError(f"row_ids is on {row_ids.device}, expected {device}")
     # Bounds are checked where reading the ids costs no device sync.
     if device.type == "cpu" and tokens and (int(row_ids.min()) < 0 or int(row_ids.max()) >= num_rows):
-        raise ValueError(f"row_ids must lie in [0, {num_rows}), got values in [{int(row_ids.min())}, "
-                         f"{int(row_ids.max())}]")
+        raise ValueError(
+            f"row_ids must lie in [0, {num_rows}), got values in [{int(row_ids.min())}, {int(row_ids.max())}]"
+        )
 
 
 def _check_modulated(x: Tensor, row_ids: Tensor, **rows: Tensor) -> tuple[int, int]:
@@ -155,8 +156,10 @@ def wants_fp8_input(linear: torch.nn.Module, x: Tensor) -> bool:
 
 def _quantized_buffers(tokens: int, width: int, device: torch.device) -> tuple[Tensor, Tensor]:
     fp8 = _fp8()
-    return (torch.empty(tokens, width, dtype=fp8.FP8_DTYPE, device=device),
-            torch.empty(tokens, 1, dtype=torch.float32, device=device))
+    return (
+        torch.empty(tokens, width, dtype=fp8.FP8_DTYPE, device=device),
+        torch.empty(tokens, 1, dtype=torch.float32, device=device),
+    )
 
 
 def _quantize_reference(y: Tensor, dtype: torch.dtype) -> FP8Activation:
@@ -180,7 +183,13 @@ def _layer_norm_modulate_reference(x: Tensor, shift: Tensor, scale: Tensor, row_
 
 
 def layer_norm_modulate(
-    x: Tensor, shift: Tensor, scale: Tensor, row_ids: Tensor, *, eps: float, quantize: bool = False,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    row_ids: Tensor,
+    *,
+    eps: float,
+    quantize: bool = False,
     backend: Backend = "auto",
 ) -> Tensor | FP8Activation:
     """``LayerNorm(x) * (1 + scale[row_ids]) + shift[row_ids]`` per token, in x's dtype or FP8 (``quantize``).
@@ -196,8 +205,9 @@ def layer_norm_modulate(
     else:
         out, out_scale = torch.empty_like(x, memory_format=torch.contiguous_format), None
     if tokens:
-        _kernels().layer_norm_modulate(x, shift, scale, row_ids, eps, out, out_scale,
-                                       *(_contract() if quantize else (0.0, 0.0)))
+        _kernels().layer_norm_modulate(
+            x, shift, scale, row_ids, eps, out, out_scale, *(_contract() if quantize else (0.0, 0.0))
+        )
     return fp8.FP8Activation(out, out_scale, x.dtype) if quantize else out
 
 
@@ -227,8 +237,16 @@ def _gated_residual_reference(residual: Tensor, gate: Tensor, branch: Tensor, ro
 
 
 def gated_residual_layer_norm_modulate(
-    residual: Tensor, gate: Tensor, branch: Tensor, shift: Tensor, scale: Tensor, row_ids: Tensor, *,
-    eps: float, quantize: bool = False, backend: Backend = "auto",
+    residual: Tensor,
+    gate: Tensor,
+    branch: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    row_ids: Tensor,
+    *,
+    eps: float,
+    quantize: bool = False,
+    backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor | FP8Activation]:
     """``(r, layer_norm_modulate(r, shift, scale))`` with ``r = gated_residual(residual, gate, branch)``, one pass."""
     tokens, width = _check_modulated(residual, row_ids, gate=gate, shift=shift, scale=scale)
@@ -246,8 +264,15 @@ def gated_residual_layer_norm_modulate(
     else:
         out, out_scale = torch.empty_like(updated), None
     if tokens:
-        _kernels().gated_residual(residual, gate, branch, row_ids, updated, (shift, scale, eps, out, out_scale),
-                                  *(_contract() if quantize else (0.0, 0.0)))
+        _kernels().gated_residual(
+            residual,
+            gate,
+            branch,
+            row_ids,
+            updated,
+            (shift, scale, eps, out, out_scale),
+            *(_contract() if quantize else (0.0, 0.0)),
+        )
     return updated, (fp8.FP8Activation(out, out_scale, residual.dtype) if quantize else out)
 
 
@@ -272,8 +297,10 @@ def rms_norm(x: Tensor, weight: Tensor, *, eps: float, backend: Backend = "auto"
         raise ValueError(f"weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}")
     fits = x.dim() == 3 and x.stride(-1) == 1 and x.shape[1] * x.shape[2] <= _MAX_TRITON_WIDTH
     if backend == "triton" and not fits:
-        raise ValueError(f"the rms_norm kernel takes [tokens, heads, size] with stride(-1) == 1, got "
-                         f"{tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"the rms_norm kernel takes [tokens, heads, size] with stride(-1) == 1, got "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
     if not (fits and _use_triton(backend, (x, weight), x.shape[-1])):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)

@@ -1,7 +1,8 @@
 """Resolving a model name, directory or Hugging Face repo id to a local model directory.
 
 Accepted, in this order:
-1. a shipped model name (``omni-shapes-tiny``): the directory inside this package;
+1. a shipped model name (``omni-shapes-tiny``, ``omni-tones-tiny``, ...: ``shipped_models()``): its directory
+   inside this package;
 2. an existing local directory holding ``config.json`` (an omni model) or ``model_index.json`` (a diffusers
    pipeline checkpoint);
 3. a Hugging Face repo id (``owner/name``, optionally ``owner/name@revision``), resolved by huggingface_hub's own
@@ -18,8 +19,22 @@ from omni_models.checkpoint import CONFIG_NAME as OMNI_CONFIG_NAME
 from omni_models.errors import CheckpointError, InvalidRequestError
 
 WEIGHTS_ROOT = Path(__file__).parent / "weights"
-SHIPPED_MODELS: tuple[str, ...] = ("omni-shapes-tiny",)
 DIFFUSERS_INDEX_NAME = "model_index.json"  # a diffusers pipeline checkpoint
+
+
+def shipped_models() -> tuple[str, ...]:
+    """The models inside this package (each a directory of ``weights/``), by name."""
+    if not WEIGHTS_ROOT.is_dir():
+        return ()
+    return tuple(
+        sorted(
+            entry.name
+            for entry in WEIGHTS_ROOT.iterdir()
+            if (entry / OMNI_CONFIG_NAME).is_file() or (entry / DIFFUSERS_INDEX_NAME).is_file()
+        )
+    )
+
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -64,15 +79,9 @@ def resolve_model_dir(name_or_path: str, *, allow_download: bool = False) -> Pat
     """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise InvalidRequestError(f"model must be a non-empty string, got {name_or_path!r}", param="model")
-    if name_or_path in SHIPPED_MODELS:
-        directory = WEIGHTS_ROOT / name_or_path
-        if not (directory / OMNI_CONFIG_NAME).is_file():
-            raise InvalidRequestError(
-                f"model {name_or_path!r} is known but its weights are missing from this install "
-                f"(expected {directory}/{OMNI_CONFIG_NAME}); reinstall omni-models",
-                param="model",
-            )
-        return directory
+    shipped = shipped_models()
+    if name_or_path in shipped:
+        return WEIGHTS_ROOT / name_or_path
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return _check_model_directory(path)
@@ -82,7 +91,7 @@ def resolve_model_dir(name_or_path: str, *, allow_download: bool = False) -> Pat
             return _check_model_directory(snapshot)
     where = "downloading was not allowed" if not allow_download else "downloading it failed"
     raise InvalidRequestError(
-        f"unknown model {name_or_path!r}: not a shipped model ({', '.join(SHIPPED_MODELS)}), not a local model "
+        f"unknown model {name_or_path!r}: not a shipped model ({', '.join(shipped)}), not a local model "
         f"directory, and not a repo id present in the local Hugging Face cache {hf_hub_cache()} ({where})",
         param="model",
     )

@@ -1,13 +1,13 @@
 """What each model declares to omni's libraries: paged-KV opt-in, offload plan, FP8-able linears.
 
-The causal-prefix DiT (the shipped model) and the diffusers families (FLUX.1, Qwen-Image, keyed by family name)
-each declare theirs here. Each declaration goes through the library's public API; the libraries are imported
-only where a declaration is applied, so the model itself (and training) needs none of them.
+The causal-prefix DiT (the shipped model) declares its own here; each diffusers family declares its
+``FamilyDeclaration`` in its module (``omni_models.backends``), applied by the two functions at the end. Each
+declaration goes through the library's public API; the libraries are imported only where a declaration is
+applied, so the model itself (and training) needs none of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,10 +17,15 @@ from omni_models.model import CausalPrefixDiT
 if TYPE_CHECKING:
     from dlo_offload import OffloadPlan
     from fp8_cache import QuantizationReport
+    from omni_models.families import FamilyDeclaration
 
 # Modules outside the repeated blocks: small, used by every step, so they stay on the device under offload.
 RESIDENT_MODULES: tuple[str, ...] = (
-    "token_embedding", "prefix_positions", "patch_embedding", "timestep_embedding", "final_layer",
+    "token_embedding",
+    "prefix_positions",
+    "patch_embedding",
+    "timestep_embedding",
+    "final_layer",
 )
 
 # Linears that stay in high precision under FP8: everything outside the blocks (input/output projections and
@@ -56,52 +61,17 @@ def quantize_fp8(model: CausalPrefixDiT) -> QuantizationReport:
     return quantize_model(model, ignore=FP8_IGNORE)
 
 
-@dataclass(frozen=True)
-class FamilyDeclaration:
-    """A diffusers family's transformer, as omni's libraries see it (paths are its module names).
-
-    ``block_lists`` are the repeated blocks in the order the forward runs them (streamed by layerwise offload);
-    ``resident_modules`` every other module holding weights (kept on the device under offload);
-    ``fp8_ignore`` the linears kept in high precision under FP8 (fnmatch patterns for ``quantize_model``).
-    """
-
-    block_lists: tuple[str, ...]
-    resident_modules: tuple[str, ...]
-    fp8_ignore: tuple[str, ...]
-
-
-# Kept in high precision: the input embedders (latents, text, timestep/guidance/pooled-text MLPs) and the output
-# norm and projection -- where FP8's error would reach every token and the FLOPs are negligible -- plus the
-# per-block adaLN modulations, whose inputs are one row per image: FP8 saves nothing there and its error scales
-# and shifts every token (tests/omni_models/test_families.py measures the error with and without this list).
-FAMILY_DECLARATIONS: dict[str, FamilyDeclaration] = {
-    "flux": FamilyDeclaration(
-        block_lists=("transformer_blocks", "single_transformer_blocks"),
-        resident_modules=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out"),
-        fp8_ignore=("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out",
-                    "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
-                    "single_transformer_blocks.*.norm.linear"),
-    ),
-    "qwen-image": FamilyDeclaration(
-        block_lists=("transformer_blocks",),
-        resident_modules=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
-        fp8_ignore=("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out",
-                    "transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1"),
-    ),
-}
-
-
-def family_offload_plan(family: str, resident_blocks: int = 0) -> OffloadPlan:
+def family_offload_plan(declaration: FamilyDeclaration, resident_blocks: int = 0) -> OffloadPlan:
     """Layerwise offload of a family's block lists (in execution order); everything else stays resident."""
     from dlo_offload import OffloadPlan
 
-    declaration = FAMILY_DECLARATIONS[family]
-    return OffloadPlan(blocks=declaration.block_lists, resident_blocks=resident_blocks,
-                       resident_modules=declaration.resident_modules)
+    return OffloadPlan(
+        blocks=declaration.block_lists, resident_blocks=resident_blocks, resident_modules=declaration.resident_modules
+    )
 
 
-def quantize_family_fp8(family: str, transformer: torch.nn.Module) -> QuantizationReport:
+def quantize_family_fp8(declaration: FamilyDeclaration, transformer: torch.nn.Module) -> QuantizationReport:
     """Swap a family transformer's linears for FP8 linears in place, except the family's ``fp8_ignore``."""
     from fp8_cache import quantize_model
 
-    return quantize_model(transformer, ignore=FAMILY_DECLARATIONS[family].fp8_ignore)
+    return quantize_model(transformer, ignore=declaration.fp8_ignore)

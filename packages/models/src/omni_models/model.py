@@ -31,6 +31,7 @@ from omni_models import fused
 from omni_models.config import DiTConfig
 from omni_models.tokenizer import PAD_ID
 
+
 class QKV(NamedTuple):
     """One side's (prefix or target) queries, keys and values, each ``[..., heads, head_size]``."""
 
@@ -143,7 +144,11 @@ class CausalPrefixBlock(nn.Module):
             else:  # flat [tokens, width]: each token reads its request row's modulation by index
                 shift1, scale1, gate1, shift2, scale2, gate2 = modulation.chunk(6, dim=-1)
                 hidden = fused.layer_norm_modulate(
-                    target, shift1, scale1, target_row_ids, eps=self.target_norm1.eps,
+                    target,
+                    shift1,
+                    scale1,
+                    target_row_ids,
+                    eps=self.target_norm1.eps,
                     quantize=fused.wants_fp8_input(self.attn.qkv, target),
                 )
             target_qkv = self.attn.project(hidden)
@@ -158,7 +163,13 @@ class CausalPrefixBlock(nn.Module):
                 target = target + gate2 * self.mlp(_modulate(self.target_norm2(target), shift2, scale2))
             else:
                 target, hidden = fused.gated_residual_layer_norm_modulate(
-                    target, gate1, branch, shift2, scale2, target_row_ids, eps=self.target_norm2.eps,
+                    target,
+                    gate1,
+                    branch,
+                    shift2,
+                    scale2,
+                    target_row_ids,
+                    eps=self.target_norm2.eps,
                     quantize=fused.wants_fp8_input(self.mlp.fc1, target),
                 )
                 target = fused.gated_residual(target, gate2, self.mlp(hidden), target_row_ids)
@@ -336,7 +347,7 @@ class CausalPrefixDiT(nn.Module):
         mask = causal_prefix_mask(text_valid, patches.shape[1])
 
         def attend(attn: JointAttention, prefix: QKV, target: QKV) -> tuple[Tensor, Tensor]:
-            q, k, v = (_heads_first(torch.cat(pair, dim=1)) for pair in zip(prefix, target))
+            q, k, v = (_heads_first(torch.cat(pair, dim=1)) for pair in zip(prefix, target, strict=True))
             out = _heads_first(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
             return out[:, :num_text], out[:, num_text:]
 

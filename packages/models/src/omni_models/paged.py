@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
+
 from diffusion_kv import (
     PRIMARY_CACHE_ROLE,
     AttentionCacheSpec,
@@ -32,8 +34,6 @@ from diffusion_kv import (
     WorkerRowTable,
     prepare_batch,
 )
-from torch import Tensor
-
 from omni_models.graphs import StepGraphs
 from omni_models.model import QKV, CausalPrefixDiT, JointAttention, patchify, unpatchify
 from omni_models.runner import GenerationJob, GenerationRow, ScheduledJob
@@ -67,7 +67,7 @@ class PagedKV:
             )
         if PRIMARY_CACHE_ROLE not in self.rows.registered_roles:
             raise ValueError(f"the row table does not register the {PRIMARY_CACHE_ROLE!r} role the model's layers use")
-        for spec, cache in zip(self.layers, self.caches):
+        for spec, cache in zip(self.layers, self.caches, strict=True):
             num_blocks, _, block_size = cache.shape[:3]
             if block_size != self.rows.block_size or num_blocks < self.rows.num_blocks:
                 raise ValueError(
@@ -113,7 +113,7 @@ def _check_jobs(batch: Sequence[ScheduledJob], *, denoise: bool) -> None:
             raise ValueError(f"job {job.request_id or id(job)} appears twice in one batch")
         seen.add(id(job))
         if denoise and not job.prefix_written:
-            raise ValueError("run_prefix must run for a job before its first denoise step")
+            raise ValueError("start() must run for a job before its first denoise step")
         if denoise and job.finished:
             raise ValueError(f"job already ran all {job.num_steps} steps; decode it and free its blocks")
 
@@ -128,8 +128,11 @@ class RowRef(NamedTuple):
 
 def batch_rows(batch: Sequence[ScheduledJob]) -> list[RowRef]:
     """Every row of every job of ``batch``, in forward order (job order, then ``job.rows`` order)."""
-    return [RowRef(scheduled.job, row, identity)
-            for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)]
+    return [
+        RowRef(scheduled.job, row, identity)
+        for scheduled in batch
+        for row, identity in zip(scheduled.job.rows, scheduled.rows, strict=True)
+    ]
 
 
 def prefix_batch(kv: PagedKV, rows: Sequence[RowRef]) -> PreparedBatch:
@@ -162,15 +165,15 @@ class _StepPlan:
 
     attend: _LayerAttention
     prefix: Tensor | None  # prompt-token embeddings [prefix tokens, width] (recompute baseline only)
-    positions: Tensor      # the position-table row of every target token [target tokens, width]
-    row_ids: Tensor        # the request row of every target token [target tokens]
+    positions: Tensor  # the position-table row of every target token [target tokens, width]
+    row_ids: Tensor  # the request row of every target token [target tokens]
 
 
 def target_plan(model: CausalPrefixDiT, kv: PagedKV, rows: Sequence[RowRef], recompute_prefix: bool) -> _StepPlan:
     """The attention batches, position rows and row ids of a denoise forward over ``rows``."""
-    target_batch = prepare_batch(kv.rows, [
-        BatchRow.target(ref.identity, ref.row.prefix_len, ref.row.target_len) for ref in rows
-    ])
+    target_batch = prepare_batch(
+        kv.rows, [BatchRow.target(ref.identity, ref.row.prefix_len, ref.row.target_len) for ref in rows]
+    )
     positions = [model.target_positions(ref.job.request.height, ref.job.request.width, kv.device) for ref in rows]
     target_lens = [ref.row.target_len for ref in rows]
     return _StepPlan(
@@ -197,16 +200,26 @@ def _layout_key(kv: PagedKV, batch: Sequence[ScheduledJob], recompute_prefix: bo
     """What a captured step depends on besides its inputs: the rows (and their lengths, sizes, prompts when
     recomputed), the row table's state (its version moves whenever a row is installed or retired) and the pool."""
     rows = tuple(
-        (identity, row.token_ids if recompute_prefix else row.prefix_len, row.target_len,
-         scheduled.job.request.height, scheduled.job.request.width)
-        for scheduled in batch for row, identity in zip(scheduled.job.rows, scheduled.rows)
+        (
+            identity,
+            row.token_ids if recompute_prefix else row.prefix_len,
+            row.target_len,
+            scheduled.job.request.height,
+            scheduled.job.request.width,
+        )
+        for scheduled in batch
+        for row, identity in zip(scheduled.job.rows, scheduled.rows, strict=True)
     )
     return rows, recompute_prefix, id(kv.rows), kv.rows.version, kv.caches[0].data_ptr(), len(kv.caches)
 
 
 @torch.no_grad()
 def predict_velocities(
-    model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], *, recompute_prefix: bool = False,
+    model: CausalPrefixDiT,
+    kv: PagedKV,
+    batch: Sequence[ScheduledJob],
+    *,
+    recompute_prefix: bool = False,
     graphs: StepGraphs | None = None,
 ) -> list[list[Tensor]]:
     """The model's velocity for every row of every job at the job's current step: ``[job][row]`` float32
@@ -233,7 +246,9 @@ def predict_velocities(
         velocity = graphs.run(
             _layout_key(kv, batch, recompute_prefix),
             lambda: target_plan(model, kv, batch_rows(batch), recompute_prefix),
-            functools.partial(_velocity, model), patches, times,
+            functools.partial(_velocity, model),
+            patches,
+            times,
         )
     else:
         velocity = _velocity(model, target_plan(model, kv, batch_rows(batch), recompute_prefix), patches, times)
@@ -252,10 +267,14 @@ def predict_velocities(
 
 
 def denoise_step(
-    model: CausalPrefixDiT, kv: PagedKV, batch: Sequence[ScheduledJob], *, recompute_prefix: bool = False,
+    model: CausalPrefixDiT,
+    kv: PagedKV,
+    batch: Sequence[ScheduledJob],
+    *,
+    recompute_prefix: bool = False,
     graphs: StepGraphs | None = None,
 ) -> None:
     """One guided Euler step for every job of the batch (all rows in one forward); advances ``job.step_index``."""
     velocities = predict_velocities(model, kv, batch, recompute_prefix=recompute_prefix, graphs=graphs)
-    for scheduled, row_velocities in zip(batch, velocities):
+    for scheduled, row_velocities in zip(batch, velocities, strict=True):
         scheduled.job.advance(row_velocities)

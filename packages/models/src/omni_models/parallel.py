@@ -1,10 +1,10 @@
 """One request on several ranks: CFG-parallel rows and Ulysses sequence parallelism for the paged DiT forward.
 
-The rank layout and the groups come from ``dlo_offload``'s parallel state (order ``tp-sp-pp-cfg-dp``, DP what is
-left of WORLD): ``init_parallel`` builds them there and ``ParallelState`` is this rank's view of the CFG and SP
-groups. Every rank holds the whole model and runs the same pipeline calls in the same order; each call does
-only this rank's share of the work and ends with every rank holding every row's velocity, so every rank advances
-every job identically (its own copy of the latents) and any rank can decode.
+The topology is a ``torch.distributed.device_mesh`` with the named dims ``("cfg", "sp")`` over all of WORLD
+(``init_parallel``; SP innermost: ``rank = cfg_rank * sp + sp_rank``), and ``ParallelState`` is this rank's view of
+its CFG and SP groups. Every rank holds the whole model and runs the same pipeline calls in the same order; each
+call does only this rank's share of the work and ends with every rank holding every row's velocity, so every rank
+advances every job identically (its own copy of the latents) and any rank can decode.
 
 CFG-parallel (``cfg`` ranks, 1 or 2): the rows of a forward are dealt to the CFG ranks. A guided job's cond row
 runs on CFG rank 0 and its uncond row on CFG rank 1; an unguided job's single row goes to the CFG rank holding
@@ -21,6 +21,10 @@ all-to-all brings the output back to the token slice. Each rank's KV cache there
 (``heads / sp`` heads: 1/sp of the KV memory); the final velocities are all-gathered over the SP group.
 Invariant: ``num_heads % sp == 0`` (checked by ``check_sequence_parallel`` and ``enable_parallel``).
 
+Layerwise offload in AllGather mode shards block weights over ``ParallelState.offload_group``, the SP group: its
+ranks run every block of every forward together, as an AllGather needs. CFG ranks do not (a CFG rank with no rows
+in a forward skips the blocks), so they never share a sharded weight.
+
 Outputs equal the single-rank forward up to floating-point reassociation in the per-token GEMMs (the attention
 of each row and head sees exactly the same inputs).
 """
@@ -35,39 +39,38 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from diffusion_kv import cdiv
-
 from omni_models import paged
-from omni_models.model import QKV, CausalPrefixDiT, JointAttention, unpatchify, patchify
+from omni_models.model import QKV, CausalPrefixDiT, JointAttention, patchify, unpatchify
 from omni_models.runner import ScheduledJob
 
 if TYPE_CHECKING:
     from diffusion_kv import AttentionCacheSpec
-    from dlo_offload import ModelParallelGroups
-
     from omni_models.pipeline import Pipeline
 
 CFG_SIZES = (1, 2)
+MESH_DIMS = ("cfg", "sp")
 # torch 2.13 renamed all_gather_into_tensor; the GPU image's torch 2.11 has only the old name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_sequence_parallel(num_heads: int, sequence_parallel_size: int) -> None:
-    """ValueError naming ``--sequence-parallel-size`` unless it is >= 1 and divides the attention heads."""
+    """ValueError unless the sequence-parallel size is >= 1 and divides the attention heads."""
     if sequence_parallel_size < 1:
-        raise ValueError(f"--sequence-parallel-size must be >= 1, got {sequence_parallel_size}")
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
     if num_heads % sequence_parallel_size:
         divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
         raise ValueError(
-            f"--sequence-parallel-size {sequence_parallel_size} does not divide the model's {num_heads} attention "
+            f"sequence_parallel_size={sequence_parallel_size} does not divide the model's {num_heads} attention "
             f"heads (Ulysses gives each rank heads/SP heads); use one of {divisors}"
         )
 
 
 def check_cfg_parallel(cfg_parallel_size: int) -> None:
     if cfg_parallel_size not in CFG_SIZES:
-        raise ValueError(f"--cfg-parallel-size must be 1 or 2 (one rank per CFG branch), got {cfg_parallel_size}")
+        raise ValueError(f"cfg_parallel_size must be 1 or 2 (one rank per CFG branch), got {cfg_parallel_size}")
 
 
 @dataclass(frozen=True)
@@ -85,28 +88,47 @@ class ParallelState:
     def world_size(self) -> int:
         return self.cfg_size * self.sp_size
 
+    @property
+    def offload_group(self) -> dist.ProcessGroup | None:
+        """The group a layerwise offload shards block weights over (``dlo_offload``'s ``group``): SP, whose ranks
+        run every block of every forward together; None with one SP rank (see the module docstring)."""
+        return self.sp_group
+
     @classmethod
-    def from_groups(cls, groups: ModelParallelGroups) -> ParallelState:
-        """This rank's view of groups built by ``dlo_offload.initialize_model_parallel``."""
-        me = dist.get_rank()
-        cfg, sp = groups["cfg"], groups["sp"]
+    def from_mesh(cls, mesh: DeviceMesh) -> ParallelState:
+        """This rank's view of a mesh with the dims ``MESH_DIMS``."""
+        cfg, sp = mesh["cfg"], mesh["sp"]
         return cls(
-            cfg_size=cfg.world_size, cfg_rank=cfg.ranks.index(me), cfg_group=cfg.group if cfg.world_size > 1 else None,
-            sp_size=sp.world_size, sp_rank=sp.ranks.index(me), sp_group=sp.group if sp.world_size > 1 else None,
+            cfg_size=cfg.size(),
+            cfg_rank=cfg.get_local_rank(),
+            cfg_group=cfg.get_group() if cfg.size() > 1 else None,
+            sp_size=sp.size(),
+            sp_rank=sp.get_local_rank(),
+            sp_group=sp.get_group() if sp.size() > 1 else None,
         )
 
 
 def init_parallel(*, cfg_parallel_size: int = 1, sequence_parallel_size: int = 1) -> ParallelState:
-    """Build the rank groups (a collective over WORLD; ``torch.distributed`` must be initialized) through
-    ``dlo_offload.initialize_model_parallel`` and return this rank's ``ParallelState``."""
-    from dlo_offload import initialize_model_parallel
+    """Build the ``("cfg", "sp")`` device mesh over WORLD and return this rank's ``ParallelState``.
 
+    A collective: ``torch.distributed`` must be initialized and WORLD must be exactly ``cfg x sp`` ranks (every rank
+    serves each request). The mesh's device type follows WORLD's backend (NCCL: ``cuda``, else ``cpu``); its groups
+    live as long as WORLD and ``torch.distributed.destroy_process_group()`` tears them down with it.
+    """
     check_cfg_parallel(cfg_parallel_size)
     if sequence_parallel_size < 1:
-        raise ValueError(f"--sequence-parallel-size must be >= 1, got {sequence_parallel_size}")
-    groups = initialize_model_parallel(cfg_parallel_size=cfg_parallel_size,
-                                       sequence_parallel_size=sequence_parallel_size)
-    return ParallelState.from_groups(groups)
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before init_parallel builds the device mesh")
+    world = dist.get_world_size()
+    if world != cfg_parallel_size * sequence_parallel_size:
+        raise ValueError(
+            f"WORLD has {world} ranks but cfg_parallel_size x sequence_parallel_size is {cfg_parallel_size} x "
+            f"{sequence_parallel_size} = {cfg_parallel_size * sequence_parallel_size}; start that many ranks"
+        )
+    device_type = "cuda" if dist.get_backend() == dist.Backend.NCCL else "cpu"
+    mesh = init_device_mesh(device_type, (cfg_parallel_size, sequence_parallel_size), mesh_dim_names=MESH_DIMS)
+    return ParallelState.from_mesh(mesh)
 
 
 def shard_kv_specs(specs: Sequence[AttentionCacheSpec], sp_size: int) -> tuple[AttentionCacheSpec, ...]:
@@ -207,8 +229,9 @@ class _Split:
 class _UlyssesAttention:
     """An ``attend`` that runs the inner (paged) attention over all tokens of this rank's head group."""
 
-    def __init__(self, inner: paged._LayerAttention, state: ParallelState,
-                 prefix: _Split | None, target: _Split | None) -> None:
+    def __init__(
+        self, inner: paged._LayerAttention, state: ParallelState, prefix: _Split | None, target: _Split | None
+    ) -> None:
         self.inner, self.state, self.splits = inner, state, (prefix, target)
 
     def _gather(self, qkv: QKV | None, split: _Split | None) -> QKV | None:
@@ -217,10 +240,11 @@ class _UlyssesAttention:
         return QKV(*(split.full(x) for x in _tokens_to_heads(qkv, self.state)))
 
     def __call__(self, attn: JointAttention, prefix: QKV | None, target: QKV | None):
-        out_prefix, out_target = self.inner(attn, self._gather(prefix, self.splits[0]),
-                                            self._gather(target, self.splits[1]))
+        out_prefix, out_target = self.inner(
+            attn, self._gather(prefix, self.splits[0]), self._gather(target, self.splits[1])
+        )
         outs = []
-        for out, split in zip((out_prefix, out_target), self.splits):
+        for out, split in zip((out_prefix, out_target), self.splits, strict=True):
             outs.append(None if out is None else _heads_to_tokens(split.pad(out), self.state))
         return tuple(outs)
 
@@ -250,8 +274,9 @@ def _cfg_gather(local: Tensor, sizes: Sequence[int], state: ParallelState) -> li
 
 
 @torch.no_grad()
-def write_prefix(model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[ScheduledJob],
-                 state: ParallelState) -> None:
+def write_prefix(
+    model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[ScheduledJob], state: ParallelState
+) -> None:
     """``paged.write_prefix`` as this rank's share: its CFG rows, its token slice, its head group's K/V."""
     paged._check_jobs(batch, denoise=False)
     rows = paged.batch_rows(batch)
@@ -268,8 +293,9 @@ def write_prefix(model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[Sche
         scheduled.job.prefix_written = True
 
 
-def _local_velocity(model: CausalPrefixDiT, kv: paged.PagedKV, rows: Sequence[paged.RowRef],
-                    state: ParallelState) -> Tensor:
+def _local_velocity(
+    model: CausalPrefixDiT, kv: paged.PagedKV, rows: Sequence[paged.RowRef], state: ParallelState
+) -> Tensor:
     """Float32 velocity ``[target tokens of rows, patch_dim]`` of this CFG rank's rows (SP-split inside)."""
     plan = paged.target_plan(model, kv, rows, recompute_prefix=False)
     patches = torch.cat([patchify(ref.job.latents.unsqueeze(0), model.config.patch_size)[0] for ref in rows])
@@ -285,8 +311,9 @@ def _local_velocity(model: CausalPrefixDiT, kv: paged.PagedKV, rows: Sequence[pa
 
 
 @torch.no_grad()
-def predict_velocities(model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[ScheduledJob],
-                       state: ParallelState) -> list[list[Tensor]]:
+def predict_velocities(
+    model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[ScheduledJob], state: ParallelState
+) -> list[list[Tensor]]:
     """``paged.predict_velocities`` over the ranks: every rank returns every row's velocity."""
     paged._check_jobs(batch, denoise=True)
     rows = paged.batch_rows(batch)
@@ -300,13 +327,14 @@ def predict_velocities(model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequenc
     sizes = [sum(rows[i].row.target_len for i in share) for share in shares]
     gathered = _cfg_gather(local, sizes, state)
     velocities: list[Tensor | None] = [None] * len(rows)
-    for share, flat in zip(shares, gathered):
+    for share, flat in zip(shares, gathered, strict=True):
         offset = 0
         for i in share:
             ref = rows[i]
             tokens = flat[offset : offset + ref.row.target_len].unsqueeze(0)
-            velocities[i] = unpatchify(tokens, config.patch_size, ref.job.request.height, ref.job.request.width,
-                                       config.in_channels)[0]
+            velocities[i] = unpatchify(
+                tokens, config.patch_size, ref.job.request.height, ref.job.request.width, config.in_channels
+            )[0]
             offset += ref.row.target_len
     per_job, index = [], 0
     for scheduled in batch:
@@ -315,8 +343,9 @@ def predict_velocities(model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequenc
     return per_job
 
 
-def denoise_step(model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[ScheduledJob],
-                 state: ParallelState) -> None:
+def denoise_step(
+    model: CausalPrefixDiT, kv: paged.PagedKV, batch: Sequence[ScheduledJob], state: ParallelState
+) -> None:
     """One guided Euler step for every job, on every rank alike."""
-    for scheduled, row_velocities in zip(batch, predict_velocities(model, kv, batch, state)):
+    for scheduled, row_velocities in zip(batch, predict_velocities(model, kv, batch, state), strict=True):
         scheduled.job.advance(row_velocities)

@@ -1,23 +1,22 @@
-"""The stepwise, batched, paged generation API's data types (engines that own the KV pool build against these).
+"""The causal-prefix DiT's jobs and rows, the paged half of the stepwise contract (``omni_models.contract``).
 
 Lifecycle of one image (one ``GenerationJob``):
 
-1. ``job = pipeline.prepare(prompt, ...)`` validates the request and builds the job: ``job.rows`` holds one
-   ``GenerationRow`` per CFG row, cond first (1 row when ``guidance_scale == 1``, else 2: cond, uncond). Each
-   row is one ``diffusion_kv`` row of ``row.num_tokens = prefix_len + target_len`` tokens (a
-   ``DiffusionKVRequest`` with those lengths); positions 0..prefix_len-1 are the prompt, the image follows.
-2. The engine reserves blocks for every row, installs the rows in the ``diffusion_kv.WorkerRowTable`` bound to
-   the pipeline (``pipeline.bind_row_table``), and passes the job as a ``ScheduledJob(job, rows)``: one
-   ``RowIdentity`` per row, in ``job.rows`` order.
-3. ``pipeline.run_prefix(batch)`` once per job (any number of jobs per call): writes every row's prefix K/V.
-4. ``pipeline.run_denoise_step(batch)`` once per step: one Euler step for every job in the batch. Jobs may be
-   at different step indices and from different requests; all their rows go through one forward. Each call
-   rewrites the rows' target K/V slots and reads the cached prefix K/V; the rows must stay installed from
-   ``run_prefix`` to the last step.
-5. ``job.finished`` becomes True after ``job.num_steps`` steps; ``pipeline.decode(job)`` returns the image.
-   The engine then retires the rows and frees their blocks.
+1. ``pipeline.prepare(resolved)`` builds one job per image: ``job.rows`` holds one ``GenerationRow`` per CFG row,
+   cond first (1 row when ``guidance_scale == 1``, else 2: cond, uncond). Each row is one ``diffusion_kv`` row of
+   ``row.num_tokens = prefix_len + target_len`` tokens (a ``DiffusionKVRequest`` with those lengths); positions
+   0..prefix_len-1 are the prompt, the image follows.
+2. The engine reserves blocks for every row, installs the rows in the ``diffusion_kv.WorkerRowTable`` bound to the
+   pipeline (``pipeline.bind_row_table``) and sets ``job.kv_rows``: one ``RowIdentity`` per row, in ``job.rows``
+   order.
+3. ``pipeline.start(jobs)`` once per job (any number of jobs per call): writes every row's prefix K/V.
+4. ``pipeline.step(jobs)`` once per step: one Euler step for every job. Jobs may be at different step indices and
+   from different requests; all their rows go through one forward, which rewrites the rows' target K/V slots and
+   reads the cached prefix K/V; the rows must stay installed from ``start`` to the last step.
+5. ``job.finished`` becomes True after ``job.num_steps`` steps; ``pipeline.decode(jobs)`` returns the images. The
+   engine then retires the rows and frees their blocks.
 
-A batch is any ``Sequence[ScheduledJob]``; a job appears at most once per batch.
+Inside the paged forwards a batch is a sequence of ``ScheduledJob(job, rows)`` (``omni_models.paged``).
 """
 
 from __future__ import annotations
@@ -32,21 +31,9 @@ from omni_models.flow import euler_step, guided_velocity
 
 if TYPE_CHECKING:
     from diffusion_kv import RowIdentity
+    from omni_models.request import ResolvedRequest
 
 RowRole = Literal["cond", "uncond"]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request: every field is concrete (defaults and the random seed already chosen)."""
-
-    prompt: str
-    negative_prompt: str | None
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
-    height: int
-    width: int
 
 
 @dataclass(frozen=True)
@@ -71,16 +58,22 @@ class GenerationJob:
     """The mutable state of one image being generated.
 
     Invariants: ``0 <= step_index <= num_steps``; ``latents`` (float32 [C, H, W] on the pipeline's device) is the
-    Euler state after ``step_index`` steps; denoising requires ``prefix_written``.
+    Euler state after ``step_index`` steps; denoising requires ``prefix_written``. ``request`` is this image's own
+    request (``n == 1``, its own seed).
     """
 
-    request: GenerationRequest
+    request: ResolvedRequest
     rows: tuple[GenerationRow, ...]
     latents: Tensor
     times: tuple[float, ...]  # the sampler's grid, 1.0 down to 0.0, num_steps + 1 entries
     step_index: int = 0
     prefix_written: bool = False
     request_id: str | None = field(default=None)
+    kv_rows: tuple[RowIdentity, ...] | None = None  # set by the engine once the rows are installed
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
 
     @property
     def num_steps(self) -> int:
@@ -121,3 +114,16 @@ class ScheduledJob:
 
 
 StepBatch = Sequence[ScheduledJob]
+
+
+def scheduled(jobs: Sequence[GenerationJob]) -> list[ScheduledJob]:
+    """The paged forwards' batch of ``jobs``, whose rows must be installed (``job.kv_rows`` set)."""
+    batch = []
+    for job in jobs:
+        if job.kv_rows is None:
+            raise ValueError(
+                f"job {job.request_id or id(job)} has no installed rows: install them in the row table "
+                "and set job.kv_rows first (or use allocate_kv_caches_for)"
+            )
+        batch.append(ScheduledJob(job, job.kv_rows))
+    return batch

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from omni_models.tokenizer import PAD_ID
 from omni_models.flow import euler_step, euler_times, guided_velocity, initial_noise
 from omni_models.model import CausalPrefixDiT
+from omni_models.tokenizer import PAD_ID
 
 
 def pad_token_ids(token_ids: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:

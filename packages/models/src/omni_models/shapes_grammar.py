@@ -33,13 +33,21 @@ COLOR_NAMES: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "pur
 SHAPE_NAMES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 # Row-major 3x3 grid: index = 3 * row + column.
 POSITION_NAMES: tuple[str, ...] = (
-    "top left", "top", "top right",
-    "left", "center", "right",
-    "bottom left", "bottom", "bottom right",
+    "top left",
+    "top",
+    "top right",
+    "left",
+    "center",
+    "right",
+    "bottom left",
+    "bottom",
+    "bottom right",
 )
 GRAMMAR_WORDS: tuple[str, ...] = ("a", "at", "the", "on", "background")
-ACCEPTED_FORM = ("exactly one shape, clauses in any order: 'a COLOR SHAPE [at the POSITION] [on a COLOR background]', "
-                 "e.g. 'a red circle at the top left on a blue background'")
+ACCEPTED_FORM = (
+    "exactly one shape, clauses in any order: 'a COLOR SHAPE [at the POSITION] [on a COLOR background]', "
+    "e.g. 'a red circle at the top left on a blue background'"
+)
 _CONJUNCTIONS = ("and", "with", "plus")
 
 
@@ -63,7 +71,7 @@ def _parse(words: Sequence[str]) -> _Clauses:
             raise _refuse(f"asks for more than one object ({word!r}): this model draws exactly one shape")
         if word == "at":  # at [the] POSITION
             i += 1 + (i + 1 < n and words[i + 1] == "the")
-            two = " ".join(words[i:i + 2])
+            two = " ".join(words[i : i + 2])
             if two in POSITION_NAMES:
                 clauses.positions.append(two)
                 i += 2
@@ -103,7 +111,7 @@ def _check(clauses: _Clauses) -> None:
     if len(clauses.objects) > 1:
         named = " and ".join(" ".join(["a", *c, *s]) for c, s in clauses.objects)
         raise _refuse(f"asks for more than one object ({named}): this model draws exactly one shape")
-    (colours, shapes), = clauses.objects
+    ((colours, shapes),) = clauses.objects
     if len(set(shapes)) > 1:
         raise _refuse(f"names two shapes for one object ({' and '.join(shapes)})")
     if len(set(colours)) > 1:
@@ -115,19 +123,26 @@ def _check(clauses: _Clauses) -> None:
     if colours and clauses.backgrounds and colours[0] == clauses.backgrounds[0]:
         raise InvalidRequestError(
             f"prompt asks for a {colours[0]} {shapes[0]} on a {colours[0]} background: a shape in its background's "
-            "colour would be invisible; choose two different colours", param="prompt")
+            "colour would be invisible; choose two different colours",
+            param="prompt",
+        )
 
 
 def canonicalize(prompt: str) -> str:
     """The prompt with its clauses in the trained order (see the module docstring); raises on the refused cases."""
     words = [WORD_ALIASES.get(word, word) for word in split_words(prompt)]
-    vocabulary = set(COLOR_NAMES) | set(SHAPE_NAMES) | {w for p in POSITION_NAMES for w in p.split()} \
-        | set(GRAMMAR_WORDS) | set(_CONJUNCTIONS)
+    vocabulary = (
+        set(COLOR_NAMES)
+        | set(SHAPE_NAMES)
+        | {w for p in POSITION_NAMES for w in p.split()}
+        | set(GRAMMAR_WORDS)
+        | set(_CONJUNCTIONS)
+    )
     if not any(word in SHAPE_NAMES for word in words) or any(word not in vocabulary for word in words):
         return prompt  # not a shape prompt, or unknown words: the tokenizer decides
     clauses = _parse(words)
     _check(clauses)
-    (colours, shapes), = clauses.objects
+    ((colours, shapes),) = clauses.objects
     out = ["a", *colours[:1], shapes[0]]
     if clauses.positions:
         out += ["at", "the", clauses.positions[0]]

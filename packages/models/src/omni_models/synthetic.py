@@ -28,8 +28,10 @@ from omni_models.diffusers_adapter import library_class, parameters_on_meta
 
 Size = Literal["tiny", "full"]
 # The Qwen-Image pipeline's prompt template words, so the synthetic tokenizer splits it into whole words too.
-QWEN_TEMPLATE_WORDS = ("system Describe the image by detailing the color shape size texture quantity text spatial "
-                       "relationships of the objects and background user assistant").split()
+QWEN_TEMPLATE_WORDS = (
+    "system Describe the image by detailing the color shape size texture quantity text spatial "
+    "relationships of the objects and background user assistant"
+).split()
 DEFAULT_WORDS = tuple(
     "a an the red orange yellow green blue purple white black circle square triangle diamond cat dog fox photo "
     "of in on at top left right bottom center background snow forest city night bad quality blurry".split()
@@ -80,10 +82,15 @@ def t5_tokenizer(words: Iterable[str] = ()) -> Any:
     tokenizer = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                            special_tokens=[("</s>", 1)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
     return library_class("transformers", "T5TokenizerFast")(
-        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0,
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
         model_max_length=512,
     )
 
@@ -98,7 +105,10 @@ def qwen2_tokenizer(words: Iterable[str] = ()) -> Any:
         for form in (word, "Ġ" + word, word.capitalize(), "Ġ" + word.capitalize()):
             _word_merges(list(form), vocab, merges)
     tokenizer = library_class("transformers", "Qwen2Tokenizer")(
-        vocab=vocab, merges=list(dict.fromkeys(merges)), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        vocab=vocab,
+        merges=list(dict.fromkeys(merges)),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     return tokenizer
@@ -108,7 +118,11 @@ def qwen2_tokenizer(words: Iterable[str] = ()) -> Any:
 
 
 def random_parameters(
-    build: Callable[[], nn.Module], *, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
+    build: Callable[[], nn.Module],
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
     std: float | None = None,
 ) -> nn.Module:
     """``build()`` with parameters drawn on ``device``: N(0, 1/fan_in) for weights (``std`` overrides), 0 for
@@ -131,7 +145,7 @@ def random_parameters(
                 value.fill_(1.0)
             else:
                 fan_in = math.prod(param.shape[1:])
-                value.normal_(0.0, std if std is not None else fan_in ** -0.5, generator=generator)
+                value.normal_(0.0, std if std is not None else fan_in**-0.5, generator=generator)
             module._parameters[name] = drawn[id(param)] = nn.Parameter(value, requires_grad=False)
     return nn.Module.to(model, device=device, dtype=dtype).eval()
 
@@ -148,88 +162,211 @@ def _make_text_model(model: str, config: str, **kwargs: Any) -> Callable[[], nn.
 
 
 def flux_components(
-    size: Size = "tiny", *, guidance_embeds: bool = True, device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32, text_encoder_layers: int = 2, words: Iterable[str] = (), seed: int = 0,
+    size: Size = "tiny",
+    *,
+    guidance_embeds: bool = True,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    text_encoder_layers: int = 2,
+    words: Iterable[str] = (),
+    seed: int = 0,
 ) -> dict[str, Any]:
     """``FluxPipeline`` constructor arguments with random weights (``guidance_embeds``: dev; without: schnell)."""
     clip, t5 = clip_tokenizer(words), t5_tokenizer(words)
     if size == "tiny":
-        transformer = _make("diffusers", "FluxTransformer2DModel", patch_size=1, in_channels=16, num_layers=1,
-                            num_single_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                            pooled_projection_dim=32, axes_dims_rope=[4, 4, 8], guidance_embeds=guidance_embeds)
-        vae = _make("diffusers", "AutoencoderKL", in_channels=3, out_channels=3, block_out_channels=(4,),
-                    layers_per_block=1, latent_channels=4, norm_num_groups=1, sample_size=32,
-                    use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
-        clip_config = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                           projection_dim=32)
+        transformer = _make(
+            "diffusers",
+            "FluxTransformer2DModel",
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
+            guidance_embeds=guidance_embeds,
+        )
+        vae = _make(
+            "diffusers",
+            "AutoencoderKL",
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(4,),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=1,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+        clip_config = dict(
+            hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, projection_dim=32
+        )
         t5_config = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
     else:  # FLUX.1-dev's transformer and VAE, CLIP-L whole; T5-XXL's width with ``text_encoder_layers`` layers
         transformer = _make("diffusers", "FluxTransformer2DModel", guidance_embeds=guidance_embeds)
-        vae = _make("diffusers", "AutoencoderKL", in_channels=3, out_channels=3,
-                    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                    block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
-                    norm_num_groups=32, sample_size=1024, use_quant_conv=False, use_post_quant_conv=False,
-                    shift_factor=0.1159, scaling_factor=0.3611)
-        clip_config = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                           projection_dim=768)
-        t5_config = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=text_encoder_layers, num_heads=64,
-                         feed_forward_proj="gated-gelu")
+        vae = _make(
+            "diffusers",
+            "AutoencoderKL",
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2,
+            latent_channels=16,
+            norm_num_groups=32,
+            sample_size=1024,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.1159,
+            scaling_factor=0.3611,
+        )
+        clip_config = dict(
+            hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, projection_dim=768
+        )
+        t5_config = dict(
+            d_model=4096,
+            d_kv=64,
+            d_ff=10240,
+            num_layers=text_encoder_layers,
+            num_heads=64,
+            feed_forward_proj="gated-gelu",
+        )
     eos = len(clip) - 1
-    text_encoder = _make_text_model("CLIPTextModel", "CLIPTextConfig", vocab_size=len(clip), bos_token_id=eos - 1,
-                                    eos_token_id=eos, pad_token_id=eos, max_position_embeddings=77, **clip_config)
-    text_encoder_2 = _make_text_model("T5EncoderModel", "T5Config", vocab_size=len(t5), decoder_start_token_id=0,
-                                      **t5_config)
-    built = {name: random_parameters(make, device=device, dtype=dtype, seed=seed + i)
-             for i, (name, make) in enumerate((("transformer", transformer), ("vae", vae),
-                                               ("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2)))}
+    text_encoder = _make_text_model(
+        "CLIPTextModel",
+        "CLIPTextConfig",
+        vocab_size=len(clip),
+        bos_token_id=eos - 1,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        max_position_embeddings=77,
+        **clip_config,
+    )
+    text_encoder_2 = _make_text_model(
+        "T5EncoderModel", "T5Config", vocab_size=len(t5), decoder_start_token_id=0, **t5_config
+    )
+    built = {
+        name: random_parameters(make, device=device, dtype=dtype, seed=seed + i)
+        for i, (name, make) in enumerate(
+            (
+                ("transformer", transformer),
+                ("vae", vae),
+                ("text_encoder", text_encoder),
+                ("text_encoder_2", text_encoder_2),
+            )
+        )
+    }
     scheduler = library_class("diffusers", "FlowMatchEulerDiscreteScheduler")(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
         max_image_seq_len=4096,
     )
     return {**built, "tokenizer": clip, "tokenizer_2": t5, "scheduler": scheduler}
 
 
 def qwen_image_components(
-    size: Size = "tiny", *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-    text_encoder_layers: int = 2, words: Iterable[str] = (), seed: int = 0,
+    size: Size = "tiny",
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    text_encoder_layers: int = 2,
+    words: Iterable[str] = (),
+    seed: int = 0,
 ) -> dict[str, Any]:
     """``QwenImagePipeline`` constructor arguments with random weights."""
     tokenizer = qwen2_tokenizer(words)
     vocab_size = len(tokenizer)
-    specials = {"vision_start_token_id": vocab_size, "vision_end_token_id": vocab_size + 1,
-                "vision_token_id": vocab_size + 2, "image_token_id": vocab_size + 3, "video_token_id": vocab_size + 4}
+    specials = {
+        "vision_start_token_id": vocab_size,
+        "vision_end_token_id": vocab_size + 1,
+        "vision_token_id": vocab_size + 2,
+        "image_token_id": vocab_size + 3,
+        "video_token_id": vocab_size + 4,
+    }
     vocab_size += 5
-    token_ids = {"bos_token_id": None, "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                 "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    token_ids = {
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
     if size == "tiny":
-        transformer = _make("diffusers", "QwenImageTransformer2DModel", patch_size=2, in_channels=16,
-                            out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
-                            joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
-        vae = _make("diffusers", "AutoencoderKLQwenImage", base_dim=24, z_dim=4, dim_mult=[1, 2, 4],
-                    num_res_blocks=1, temperal_downsample=[False, True], latents_mean=[0.0] * 4,
-                    latents_std=[1.0] * 4)
-        text = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=2, rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default"})
+        transformer = _make(
+            "diffusers",
+            "QwenImageTransformer2DModel",
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=3,
+            joint_attention_dim=16,
+            axes_dims_rope=(8, 4, 4),
+        )
+        vae = _make(
+            "diffusers",
+            "AutoencoderKLQwenImage",
+            base_dim=24,
+            z_dim=4,
+            dim_mult=[1, 2, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
+        text = dict(
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default"},
+        )
         vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16)
     else:  # Qwen-Image's transformer and VAE; Qwen2.5-VL-7B's text width with fewer layers, a 1-block vision tower
         transformer = _make("diffusers", "QwenImageTransformer2DModel")
         vae = _make("diffusers", "AutoencoderKLQwenImage")
-        text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=text_encoder_layers,
-                    num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
-                    rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default"})
+        text = dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=text_encoder_layers,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-6,
+            rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default"},
+        )
         vision = dict(depth=1, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
     text_encoder = _make_text_model(
-        "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
-        text_config={**text, **token_ids, "vocab_size": vocab_size, "rope_theta": 1000000.0}, vision_config=vision,
-        vocab_size=vocab_size, **specials, **token_ids,
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLConfig",
+        text_config={**text, **token_ids, "vocab_size": vocab_size, "rope_theta": 1000000.0},
+        vision_config=vision,
+        vocab_size=vocab_size,
+        **specials,
+        **token_ids,
     )
-    built = {name: random_parameters(make, device=device, dtype=dtype, seed=seed + i)
-             for i, (name, make) in enumerate((("transformer", transformer), ("vae", vae),
-                                               ("text_encoder", text_encoder)))}
+    built = {
+        name: random_parameters(make, device=device, dtype=dtype, seed=seed + i)
+        for i, (name, make) in enumerate((("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)))
+    }
     # A dynamic-shift flow-matching schedule like the published Qwen-Image one (it sets sigmas only, not cost).
     scheduler = library_class("diffusers", "FlowMatchEulerDiscreteScheduler")(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
     )
     return {**built, "tokenizer": tokenizer, "scheduler": scheduler}
 
@@ -242,7 +379,9 @@ def diffusers_pipeline(family: str, components: dict[str, Any]) -> Any:
     return library_class("diffusers", PIPELINE_CLASSES[family])(**components)
 
 
-def save_checkpoint(family: str, components: dict[str, Any], directory: Path, *, max_shard_size: str | None = None) -> Path:
+def save_checkpoint(
+    family: str, components: dict[str, Any], directory: Path, *, max_shard_size: str | None = None
+) -> Path:
     """Write ``components`` as a diffusers-layout checkpoint (``model_index.json`` and one folder per component)."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     diffusers_pipeline(family, components).save_pretrained(str(directory), **kwargs)

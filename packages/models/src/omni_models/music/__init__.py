@@ -9,6 +9,6 @@ the ``music`` extra).
 from __future__ import annotations
 
 from omni_models.music.config import MusicConfig
-from omni_models.music.pipeline import MusicPipeline, MusicRequest, Song, load_music
+from omni_models.music.pipeline import MusicJob, MusicPipeline, Song, load_music, music_info
 
-__all__ = ["MusicConfig", "MusicPipeline", "MusicRequest", "Song", "load_music"]
+__all__ = ["MusicConfig", "MusicJob", "MusicPipeline", "Song", "load_music", "music_info"]

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusion_kv import cdiv
 from torch import Tensor
+
+from diffusion_kv import cdiv
 
 try:
     from vllm import ModelRegistry, SamplingParams
@@ -111,8 +112,10 @@ def runtime_for(vllm_config: VllmConfig) -> MusicRuntime:
     if key not in _RUNTIMES:
         raw = getattr(vllm_config.model_config.hf_config, "omni_music", None)
         if raw is None:
-            raise ValueError(f"model {vllm_config.model_config.model} has no 'omni_music' config; "
-                             "build its directory with omni_models.music.ARStage")
+            raise ValueError(
+                f"model {vllm_config.model_config.model} has no 'omni_music' config; "
+                "build its directory with omni_models.music.ARStage"
+            )
         _RUNTIMES[key] = MusicRuntime(MusicConfig.from_dict(raw))
     return _RUNTIMES[key]
 
@@ -131,8 +134,14 @@ class MusicTalkerForCausalLM(Qwen3ForCausalLM):
         self.depth = DepthDecoder(music)
         self.runtime.depth = self.depth
 
-    def forward(self, input_ids: Tensor | None, positions: Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: Tensor | None = None, **kwargs: Any) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor | None,
+        positions: Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         self._bind_step(inputs_embeds, positions)
@@ -247,23 +256,39 @@ class MusicCFGLogitsProcessor(LogitsProcessor):
         cond_rows = [roles["cond"] for _, roles in pairs]
         uncond_rows = [roles["uncond"] for _, roles in pairs]
         songs, seeds, slots = [], [], []
-        for (pair_id, roles), cond_row in zip(pairs, cond_rows):
+        for (pair_id, _roles), cond_row in zip(pairs, cond_rows, strict=True):
             binding = runtime.rows[cond_row]
             song = runtime.songs.get(pair_id)
             if song is None:
                 song = runtime.songs[pair_id] = RequestARState(
-                    binding.seed, binding.max_frames, binding.prompt_len, config.window_frames, config.hop_frames)
+                    binding.seed, binding.max_frames, binding.prompt_len, config.window_frames, config.hop_frames
+                )
             songs.append(song)
             seeds.append(song.seed)
             slots.append(song.advance_position())
-        results = sample_frames(config, runtime.depth, logits[cond_rows], logits[uncond_rows], hidden[cond_rows],
-                                hidden[uncond_rows], seeds, slots, config.ar_guidance, config.ar_top_k)
+        results = sample_frames(
+            config,
+            runtime.depth,
+            logits[cond_rows],
+            logits[uncond_rows],
+            hidden[cond_rows],
+            hidden[uncond_rows],
+            seeds,
+            slots,
+            config.ar_guidance,
+            config.ar_top_k,
+        )
         infos: list[dict[str, Any]] = [{} for _ in range(logits.shape[0])]
-        for (pair_id, roles), song, (token, codes), cond_row in zip(pairs, songs, results, cond_rows):
+        for (pair_id, roles), song, (token, codes), cond_row in zip(pairs, songs, results, cond_rows, strict=True):
             cond_b, uncond_b = runtime.rows[roles["cond"]], runtime.rows[roles["uncond"]]
-            runtime.pair_steps.append(PairStep(pair_id, cond_b.prompt_len + len(cond_b.output_ids),
-                                               uncond_b.prompt_len + len(uncond_b.output_ids),
-                                               song.frames.end_frame))
+            runtime.pair_steps.append(
+                PairStep(
+                    pair_id,
+                    cond_b.prompt_len + len(cond_b.output_ids),
+                    uncond_b.prompt_len + len(uncond_b.output_ids),
+                    song.frames.end_frame,
+                )
+            )
             if codes is not None and song.frames.end_frame >= song.max_frames:
                 token, codes = AUDIO_END, None  # the frame cap: end the song
             if codes is not None:
@@ -276,9 +301,17 @@ class MusicCFGLogitsProcessor(LogitsProcessor):
             else:
                 song.finished = True
                 window = song.final_window()
-                infos[cond_row]["span"] = _span(song, window, True) if window is not None else Span(
-                    song.frames.end_frame, torch.empty(0, NUM_CODEBOOKS, dtype=torch.long), torch.empty(0), True,
-                    song.seed)
+                infos[cond_row]["span"] = (
+                    _span(song, window, True)
+                    if window is not None
+                    else Span(
+                        song.frames.end_frame,
+                        torch.empty(0, NUM_CODEBOOKS, dtype=torch.long),
+                        torch.empty(0),
+                        True,
+                        song.seed,
+                    )
+                )
             for row in (roles["cond"], roles["uncond"]):
                 logits[row] = _NEG
                 logits[row, token] = 0.0
@@ -289,9 +322,15 @@ class MusicCFGLogitsProcessor(LogitsProcessor):
                 element = payload_element(payload, row)
                 if element["meta"]["num_processed_tokens"] is None:
                     continue
-                runtime.spans[pair_id].append(Span(
-                    element["meta"]["num_processed_tokens"], element["codes"]["audio"], element["latent"],
-                    element["meta"]["last_chunk"], element["meta"]["audio_seed"]))
+                runtime.spans[pair_id].append(
+                    Span(
+                        element["meta"]["num_processed_tokens"],
+                        element["codes"]["audio"],
+                        element["latent"],
+                        element["meta"]["last_chunk"],
+                        element["meta"]["audio_seed"],
+                    )
+                )
         return logits
 
 
@@ -305,8 +344,14 @@ def _binding(params: SamplingParams, prompt_ids: list[int] | None, output_ids: l
     role, pair_id = extra.get("cfg_role"), extra.get("cfg_pair_id")
     if role not in ("cond", "uncond") or not pair_id:
         return None
-    return RowBinding(str(pair_id), role, int(extra.get("seed", 0)), int(extra.get("max_frames", 1)),
-                      len(prompt_ids or ()), output_ids)
+    return RowBinding(
+        str(pair_id),
+        role,
+        int(extra.get("seed", 0)),
+        int(extra.get("max_frames", 1)),
+        len(prompt_ids or ()),
+        output_ids,
+    )
 
 
 # ---------------------------------------------------------------- registration and the AR stage
@@ -344,8 +389,17 @@ class ARStage:
     both carrying ``cfg_pair_id``. ``paired=False`` selects vLLM's own scheduler (the benchmark baseline).
     """
 
-    def __init__(self, model_dir: Path, config: MusicConfig, *, max_num_seqs: int = 8, num_blocks: int | None = None,
-                 block_size: int = 32, paired: bool = True, max_num_batched_tokens: int = 512) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: MusicConfig,
+        *,
+        max_num_seqs: int = 8,
+        num_blocks: int | None = None,
+        block_size: int = 32,
+        paired: bool = True,
+        max_num_batched_tokens: int = 512,
+    ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("the music AR stage runs vLLM's engine in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
@@ -356,12 +410,22 @@ class ARStage:
         blocks = num_blocks or max_num_seqs * cdiv(config.max_position_embeddings, block_size)
         bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # K and V, float32
         args = EngineArgs(
-            model=str(backbone_view(model_dir, config)), skip_tokenizer_init=True, dtype="float32",
-            enforce_eager=True, max_model_len=config.max_position_embeddings, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, seed=0,
-            block_size=block_size, async_scheduling=False, gpu_memory_utilization=0.05,
-            num_gpu_blocks_override=blocks, kv_cache_memory_bytes=blocks * block_size * bytes_per_token,
-            scheduler_cls=CFGPairingScheduler if paired else None, logits_processors=[MusicCFGLogitsProcessor],
+            model=str(backbone_view(model_dir, config)),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=config.max_position_embeddings,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=False,
+            seed=0,
+            block_size=block_size,
+            async_scheduling=False,
+            gpu_memory_utilization=0.05,
+            num_gpu_blocks_override=blocks,
+            kv_cache_memory_bytes=blocks * block_size * bytes_per_token,
+            scheduler_cls=CFGPairingScheduler if paired else None,
+            logits_processors=[MusicCFGLogitsProcessor],
         )
         self.engine = LLMEngine.from_engine_args(args)
         self.runtime = _RUNTIMES[self.engine.vllm_config.instance_id]
@@ -376,11 +440,17 @@ class ARStage:
         if song.pair_id in self.finished:
             raise ValueError(f"song {song.pair_id!r} is already running; pair ids must be unique")
         extra = {"cfg_pair_id": song.pair_id, "seed": song.seed, "max_frames": song.max_frames}
-        for request_id, role, ids in ((song.pair_id, "cond", song.prompt_ids),
-                                      (song.pair_id + CFG_UNCOND_SUFFIX, "uncond",
-                                       build_cfg_null_token_ids(song.prompt_ids))):
-            params = SamplingParams(temperature=0.0, max_tokens=song.max_frames + 2, stop_token_ids=[AUDIO_END],
-                                    detokenize=False, extra_args={**extra, "cfg_role": role})
+        for request_id, role, ids in (
+            (song.pair_id, "cond", song.prompt_ids),
+            (song.pair_id + CFG_UNCOND_SUFFIX, "uncond", build_cfg_null_token_ids(song.prompt_ids)),
+        ):
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=song.max_frames + 2,
+                stop_token_ids=[AUDIO_END],
+                detokenize=False,
+                extra_args={**extra, "cfg_role": role},
+            )
             self.engine.add_request(request_id, {"prompt_token_ids": ids}, params)
         self.finished[song.pair_id] = False
 

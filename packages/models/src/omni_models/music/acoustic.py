@@ -32,10 +32,16 @@ def acoustic_config(config: MusicConfig) -> DiTConfig:
     if max(config.c0_vocab_size, config.codebook_size) > _CODE_STRIDE:
         raise ValueError(f"codebooks larger than {_CODE_STRIDE} codes need a wider prefix vocabulary")
     return DiTConfig(
-        name=f"{config.name}-acoustic", width=config.acoustic_width, depth=config.acoustic_depth,
-        num_heads=config.acoustic_heads, patch_size=1, vocab_size=2 + NUM_CODEBOOKS * _CODE_STRIDE,
-        max_prompt_tokens=1 + NUM_CODEBOOKS * config.window_frames, in_channels=config.latent_channels,
-        supported_sizes=((1, config.window_frames),), default_steps=config.acoustic_steps,
+        name=f"{config.name}-acoustic",
+        width=config.acoustic_width,
+        depth=config.acoustic_depth,
+        num_heads=config.acoustic_heads,
+        patch_size=1,
+        vocab_size=2 + NUM_CODEBOOKS * _CODE_STRIDE,
+        max_prompt_tokens=1 + NUM_CODEBOOKS * config.window_frames,
+        in_channels=config.latent_channels,
+        supported_sizes=((1, config.window_frames),),
+        default_steps=config.acoustic_steps,
         default_guidance=config.acoustic_guidance,
     )
 
@@ -60,7 +66,7 @@ VelocityFn = Callable[[Tensor, float], Tensor]  # (x [C, 1, W], t) -> velocity
 def denoise_window(velocity: VelocityFn, noise: Tensor, times: list[float], known: Tensor | None) -> Tensor:
     """Euler from ``noise`` [C, 1, W]; ``known`` [C, 1, K] pins the first K frames (inpainting)."""
     x = noise.clone()
-    for t, t_next in zip(times[:-1], times[1:]):
+    for t, t_next in zip(times[:-1], times[1:], strict=True):
         if known is not None:
             x[..., : known.shape[-1]] = (1 - t) * known + t * noise[..., : known.shape[-1]]
         x = euler_step(x, velocity(x, t), t, t_next)
@@ -71,8 +77,14 @@ def denoise_window(velocity: VelocityFn, noise: Tensor, times: list[float], know
 
 @torch.no_grad()
 def generate_latents(
-    dit: CausalPrefixDiT, config: MusicConfig, codes: Tensor, *, seed: int, device: str | torch.device,
-    steps: int | None = None, windows_velocity: Callable[[Tensor], VelocityFn] | None = None,
+    dit: CausalPrefixDiT,
+    config: MusicConfig,
+    codes: Tensor,
+    *,
+    seed: int,
+    device: str | torch.device,
+    steps: int | None = None,
+    windows_velocity: Callable[[Tensor], VelocityFn] | None = None,
 ) -> Tensor:
     """Latents [T, channels] (float32, CPU) for a song's codes [T, 8].
 
@@ -85,12 +97,12 @@ def generate_latents(
     dtype = next(dit.parameters()).dtype
     done = 0
     for index, w in enumerate(chunk_windows(total, config.window_frames, config.hop_frames)):
-        ids = acoustic_prefix_ids(codes[w.start:w.end].cpu(), config).to(device)
+        ids = acoustic_prefix_ids(codes[w.start : w.end].cpu(), config).to(device)
         velocity = windows_velocity(ids) if windows_velocity is not None else _dense_velocity(dit, ids, dtype)
         known_frames = done - w.start
-        known = out[w.start:done].T[:, None, :].to(device) if known_frames > 0 else None
+        known = out[w.start : done].T[:, None, :].to(device) if known_frames > 0 else None
         x = denoise_window(velocity, window_noise(seed, index, config).to(device), times, known)
-        out[done:w.end] = x[:, 0, known_frames if known_frames > 0 else 0:w.length].T.float().cpu()
+        out[done : w.end] = x[:, 0, known_frames if known_frames > 0 else 0 : w.length].T.float().cpu()
         done = w.end
     return out
 
@@ -109,32 +121,54 @@ class PagedAcoustic:
     """The acoustic transformer run through omni's paged pipeline: each window's code K/V are written once into
     ``diffusion_kv`` blocks and read through block tables by every Euler step."""
 
-    def __init__(self, dit: CausalPrefixDiT, config: MusicConfig, *, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        dit: CausalPrefixDiT,
+        config: MusicConfig,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        block_size: int = 16,
+    ) -> None:
         from omni_models.pipeline import Pipeline
         from omni_models.tokenizer import BOS_TOKEN, PAD_TOKEN, Tokenizer
 
         self.config = config
         self.block_size = block_size
-        self.pipeline = Pipeline(dit, Tokenizer([PAD_TOKEN, BOS_TOKEN]), device=torch.device(device), dtype=dtype,
-                                 attention_backend="paged")
+        self.pipeline = Pipeline(
+            dit, Tokenizer([PAD_TOKEN, BOS_TOKEN]), device=torch.device(device), dtype=dtype, attention_backend="paged"
+        )
 
     def denoise(self, ids: Tensor, noise: Tensor, times: list[float], known: Tensor | None) -> Tensor:
         """Like `denoise_window`, through the paged cache (one private pool per window)."""
-        from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow
+        from omni_models.request import ResolvedRequest
+        from omni_models.runner import GenerationJob, GenerationRow
 
         w = self.config.window_frames
-        request = GenerationRequest(prompt="", negative_prompt=None, num_inference_steps=len(times) - 1,
-                                    guidance_scale=1.0, seed=0, height=1, width=w)
-        job = GenerationJob(request=request, rows=(GenerationRow("cond", tuple(ids.tolist()), w),),
-                            latents=noise.clone().to(self.pipeline.device), times=tuple(times))
-        batch = self.pipeline.allocate_kv_caches_for([job], self.block_size)
-        self.pipeline.run_prefix(batch)
+        request = ResolvedRequest(
+            prompt="",
+            negative_prompt=None,
+            n=1,
+            height=1,
+            width=w,
+            num_inference_steps=len(times) - 1,
+            guidance_scale=1.0,
+            true_cfg_scale=None,
+            seed=0,
+        )
+        job = GenerationJob(
+            request=request,
+            rows=(GenerationRow("cond", tuple(ids.tolist()), w),),
+            latents=noise.clone().to(self.pipeline.device),
+            times=tuple(times),
+        )
+        self.pipeline.allocate_kv_caches_for([job], self.block_size)
+        self.pipeline.start([job])
         for t in times[:-1]:
             if known is not None:
                 k = known.shape[-1]
                 job.latents[..., :k] = (1 - t) * known + t * noise[..., :k].to(job.latents.device)
-            self.pipeline.run_denoise_step(batch)
+            self.pipeline.step([job])
         if known is not None:
             job.latents[..., : known.shape[-1]] = known
         return job.latents
@@ -150,10 +184,10 @@ def generate_latents_paged(paged: PagedAcoustic, codes: Tensor, *, seed: int, st
     device = paged.pipeline.device
     done = 0
     for index, w in enumerate(chunk_windows(total, config.window_frames, config.hop_frames)):
-        ids = acoustic_prefix_ids(codes[w.start:w.end].cpu(), config)
+        ids = acoustic_prefix_ids(codes[w.start : w.end].cpu(), config)
         known_frames = done - w.start
-        known = out[w.start:done].T[:, None, :].to(device) if known_frames > 0 else None
+        known = out[w.start : done].T[:, None, :].to(device) if known_frames > 0 else None
         x = paged.denoise(ids, window_noise(seed, index, config), times, known)
-        out[done:w.end] = x[:, 0, max(known_frames, 0):w.length].T.float().cpu()
+        out[done : w.end] = x[:, 0, max(known_frames, 0) : w.length].T.float().cpu()
         done = w.end
     return out

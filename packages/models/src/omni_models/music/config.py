@@ -16,8 +16,18 @@ from omni_models.config import check_known_fields
 
 # Special tokens of the backbone vocabulary (ids 0..len-1), in this order.
 SPECIAL_TOKENS: tuple[str, ...] = (
-    "<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<|audio_cfg|>", "<|audio_start|>", "<|audio_end|>",
-    "<|caption_start|>", "<|caption_end|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|audio_hold|>",
+    "<pad>",
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|audio_cfg|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|caption_start|>",
+    "<|caption_end|>",
+    "<|lyrics_start|>",
+    "<|lyrics_end|>",
+    "<|audio_hold|>",
 )
 PAD_ID, UNK_ID, IM_START, IM_END, AUDIO_CFG, AUDIO_START, AUDIO_END = range(7)
 CAPTION_START, CAPTION_END, LYRICS_START, LYRICS_END, AUDIO_HOLD = range(7, 12)

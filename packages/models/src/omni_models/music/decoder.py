@@ -47,7 +47,9 @@ def decode(latents: np.ndarray, *, sample_rate: int, frame_rate: int, seed: int 
     bass_f0 = midi_to_hz(42.0 + 12.0 * up[2])
     bass_phase = 2 * np.pi * np.cumsum(bass_f0) / sample_rate
     bass = (np.sin(bass_phase) + 0.3 * np.sin(2 * bass_phase)) * np.clip(up[3], 0, 1.5) * 0.25
-    noise = np.random.default_rng(seed).standard_normal(t.shape[0]) * np.clip(up[7], 0, 1) * 0.05 * np.clip(up[1], 0, 1.5)
+    noise = (
+        np.random.default_rng(seed).standard_normal(t.shape[0]) * np.clip(up[7], 0, 1) * 0.05 * np.clip(up[1], 0, 1.5)
+    )
     return np.clip(melody + bass + noise, -1.0, 1.0).astype(np.float32)
 
 

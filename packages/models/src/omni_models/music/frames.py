@@ -77,12 +77,13 @@ class FrameBuffer:
     def slice(self, start: int, end: int) -> Tensor:
         if start < self.base_frame or end > self.end_frame or start >= end:
             raise RuntimeError(
-                f"frames [{start}, {end}) are unavailable: the buffer holds [{self.base_frame}, {self.end_frame})")
-        return torch.cat(self._frames[start - self.base_frame:end - self.base_frame])
+                f"frames [{start}, {end}) are unavailable: the buffer holds [{self.base_frame}, {self.end_frame})"
+            )
+        return torch.cat(self._frames[start - self.base_frame : end - self.base_frame])
 
     def discard_before(self, frame: int) -> None:
         frame = min(max(frame, self.base_frame), self.end_frame)
-        del self._frames[:frame - self.base_frame]
+        del self._frames[: frame - self.base_frame]
         self.base_frame = frame
 
 

@@ -62,8 +62,9 @@ def sample_frames(
     uncond_c0 = None if uncond_logits is None else uncond_logits[:, candidates].float().cpu()
     results: list[tuple[int, list[int] | None]] = []
     for i in range(n):
-        choice = guided_draw(cond_c0[i], None if uncond_c0 is None else uncond_c0[i], scale, top_k,
-                             slot_generator(seeds[i], slots[i]))
+        choice = guided_draw(
+            cond_c0[i], None if uncond_c0 is None else uncond_c0[i], scale, top_k, slot_generator(seeds[i], slots[i])
+        )
         token = int(candidates[choice].item())
         results.append((token, None if token == AUDIO_END else [token - config.audio_code_offset]))
     live = [i for i, (_, codes) in enumerate(results) if codes is not None]
@@ -81,7 +82,12 @@ def sample_frames(
             prev = prev.view(m, k - 1).repeat(hidden.shape[0] // m, 1)
             logits = depth.logits(hidden.to(depth.proj.weight.dtype), c0, prev)[:, -1].float().cpu()
             for j, i in enumerate(live):
-                code = guided_draw(logits[j], logits[m + j] if uncond_hidden is not None else None, scale, top_k,
-                                   slot_generator(seeds[i], slots[i] + k))
+                code = guided_draw(
+                    logits[j],
+                    logits[m + j] if uncond_hidden is not None else None,
+                    scale,
+                    top_k,
+                    slot_generator(seeds[i], slots[i] + k),
+                )
                 results[i][1].append(code)
     return results

@@ -35,8 +35,12 @@ def make_payload(infos: list[dict[str, Any]]) -> dict[str, Any] | None:
     if all(span is None for span in spans):
         return None
     latents, codes = [], []
-    meta: dict[str, list[Any]] = {"num_processed_tokens": [], "codec_chunk_frames": [], "last_chunk": [],
-                                  "audio_seed": []}
+    meta: dict[str, list[Any]] = {
+        "num_processed_tokens": [],
+        "codec_chunk_frames": [],
+        "last_chunk": [],
+        "audio_seed": [],
+    }
     for span in spans:
         if span is None:
             latents.append(torch.empty(0))

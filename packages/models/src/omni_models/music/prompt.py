@@ -12,8 +12,17 @@ from collections.abc import Sequence
 
 from omni_models.errors import InvalidRequestError
 from omni_models.music.config import (
-    AUDIO_CFG, AUDIO_START, CAPTION_END, CAPTION_START, IM_END, IM_START, LYRICS_END, LYRICS_START, SPECIAL_TOKENS,
-    UNK_ID, MusicConfig,
+    AUDIO_CFG,
+    AUDIO_START,
+    CAPTION_END,
+    CAPTION_START,
+    IM_END,
+    IM_START,
+    LYRICS_END,
+    LYRICS_START,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    MusicConfig,
 )
 
 _LEADING_TAGS = re.compile(r"^[ \t]*((?:\[[^\]\n]*\][ \t]*)+)")
@@ -57,8 +66,11 @@ def clean_caption(text: str) -> str:
 def build_prompt(caption: str, lyrics: str) -> str:
     """The flat prompt string (not a chat template)."""
     return (
-        "<|im_start|><|caption_start|>" + clean_caption(caption) + "<|caption_end|><|lyrics_start|>"
-        + normalize_lyrics(lyrics) + "<|lyrics_end|><|im_end|><|audio_start|>"
+        "<|im_start|><|caption_start|>"
+        + clean_caption(caption)
+        + "<|caption_end|><|lyrics_start|>"
+        + normalize_lyrics(lyrics)
+        + "<|lyrics_end|><|im_end|><|audio_start|>"
     )
 
 
@@ -91,16 +103,26 @@ class MusicTokenizer:
     def encode(self, caption: str, lyrics: str) -> list[int]:
         """Token ids of ``build_prompt(caption, lyrics)``; InvalidRequestError when blank or too long."""
         if not isinstance(caption, str) or not caption.strip():
-            raise InvalidRequestError("the music model requires 'instructions' describing the music",
-                                      param="instructions")
+            raise InvalidRequestError("the music model needs a caption describing the music", param="prompt")
         if not isinstance(lyrics, str) or not lyrics.strip():
-            raise InvalidRequestError("the music model requires non-empty 'input' carrying the lyrics", param="input")
-        ids = [IM_START, CAPTION_START, *self.words(clean_caption(caption)), CAPTION_END, LYRICS_START,
-               *self.words(normalize_lyrics(lyrics)), LYRICS_END, IM_END, AUDIO_START]
+            raise InvalidRequestError("the music model needs non-empty lyrics", param="lyrics")
+        ids = [
+            IM_START,
+            CAPTION_START,
+            *self.words(clean_caption(caption)),
+            CAPTION_END,
+            LYRICS_START,
+            *self.words(normalize_lyrics(lyrics)),
+            LYRICS_END,
+            IM_END,
+            AUDIO_START,
+        ]
         if len(ids) > self.config.max_prompt_tokens:
             raise InvalidRequestError(
                 f"the prompt is {len(ids)} tokens; the maximum is {self.config.max_prompt_tokens}. "
-                "Shorten the caption or the lyrics.", param="input")
+                "Shorten the caption or the lyrics.",
+                param="lyrics",
+            )
         return ids
 
     def token(self, token_id: int) -> str:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from omni_models.shapes_grammar import COLOR_NAMES, GRAMMAR_WORDS, POSITION_NAMES, SHAPE_NAMES
 from omni_models.tokenizer import BOS_TOKEN, PAD_TOKEN
 
-
 VOCABULARY: tuple[str, ...] = (
     PAD_TOKEN,
     BOS_TOKEN,

@@ -52,7 +52,7 @@ def evaluate_served(model_dir: Path, songs: int, seed: int = 0) -> dict:
     scorer = MusicScorer.calibrated(config.sample_rate, config.frame_rate)
     got = total = 0
     per: dict[str, list[int]] = {}
-    for h, song in zip(held, generated):
+    for h, song in zip(held, generated, strict=True):
         wanted = h["spec"].attributes()
         total += len(wanted)
         if song.samples.shape[0] == 0:
@@ -63,8 +63,12 @@ def evaluate_served(model_dir: Path, songs: int, seed: int = 0) -> dict:
             per.setdefault(k, [0, 0])
             per[k][0] += read[k] == wanted[k]
             per[k][1] += 1
-    result = {"guidance": config.ar_guidance, "adherence": got / total, "per_attribute": per,
-              "mean_frames": float(np.mean([s.codes.shape[0] for s in generated]))}
+    result = {
+        "guidance": config.ar_guidance,
+        "adherence": got / total,
+        "per_attribute": per,
+        "mean_frames": float(np.mean([s.codes.shape[0] for s in generated])),
+    }
     print("served", result, flush=True)
     return result
 

@@ -23,27 +23,89 @@ TIMBRES = ("piano", "organ", "flute", "strings")
 LOUDNESS = ("soft", "loud")
 MOOD_WORDS = {"soft": ("calm", "gentle", "soft", "quiet"), "loud": ("energetic", "loud", "powerful", "bold")}
 SECTIONS = ("intro", "verse", "chorus", "bridge", "outro")
-LYRIC_WORDS = ("la", "na", "oh", "love", "night", "light", "sky", "home", "road", "heart", "rain", "sun", "fire",
-               "dream", "we", "run", "fly", "shine", "stay", "go", "hold", "on", "the", "my", "your", "in", "to")
-FILLER = ("a", "an", "melody", "piece", "tune", "song", "at", "bpm", "with", "tempo", "key", "of", "and", "played",
-          "on", "in", "sharp", "flat")
+LYRIC_WORDS = (
+    "la",
+    "na",
+    "oh",
+    "love",
+    "night",
+    "light",
+    "sky",
+    "home",
+    "road",
+    "heart",
+    "rain",
+    "sun",
+    "fire",
+    "dream",
+    "we",
+    "run",
+    "fly",
+    "shine",
+    "stay",
+    "go",
+    "hold",
+    "on",
+    "the",
+    "my",
+    "your",
+    "in",
+    "to",
+)
+FILLER = (
+    "a",
+    "an",
+    "melody",
+    "piece",
+    "tune",
+    "song",
+    "at",
+    "bpm",
+    "with",
+    "tempo",
+    "key",
+    "of",
+    "and",
+    "played",
+    "on",
+    "in",
+    "sharp",
+    "flat",
+)
 FRAMES_PER_SECTION = 32
 FRAME_RATE = 16
 
-VOCABULARY: tuple[str, ...] = tuple(dict.fromkeys(
-    [*(w for name in TONIC_NAMES for w in name.split()), *MODES, *(str(t) for t in TEMPI), *TIMBRES,
-     *(w for words in MOOD_WORDS.values() for w in words), *FILLER, *LYRIC_WORDS,
-     "[start]", *(f"[{s}]" for s in SECTIONS)]
-))
+VOCABULARY: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        [
+            *(w for name in TONIC_NAMES for w in name.split()),
+            *MODES,
+            *(str(t) for t in TEMPI),
+            *TIMBRES,
+            *(w for words in MOOD_WORDS.values() for w in words),
+            *FILLER,
+            *LYRIC_WORDS,
+            "[start]",
+            *(f"[{s}]" for s in SECTIONS),
+        ]
+    )
+)
 
 MAJOR = (0, 2, 4, 5, 7, 9, 11)
 MINOR = (0, 2, 3, 5, 7, 8, 10)
 # Chord progressions in scale degrees (0-based), one chord per 2 beats from the section's start.
-PROGRESSIONS = {"intro": (0, 4), "verse": (0, 3, 0, 4), "chorus": (0, 3, 4, 0), "bridge": (0, 5, 4, 0),
-                "outro": (0, 4, 0)}
+PROGRESSIONS = {
+    "intro": (0, 4),
+    "verse": (0, 3, 0, 4),
+    "chorus": (0, 3, 4, 0),
+    "bridge": (0, 5, 4, 0),
+    "outro": (0, 4, 0),
+}
 TIMBRE_LATENTS = {  # roll-off, odd emphasis, vibrato, breath
-    "piano": (0.45, 0.0, 0.0, 0.0), "organ": (0.05, 0.8, 0.0, 0.0),
-    "flute": (1.0, 0.0, 0.5, 0.8), "strings": (0.25, 0.0, 1.0, 0.0),
+    "piano": (0.45, 0.0, 0.0, 0.0),
+    "organ": (0.05, 0.8, 0.0, 0.0),
+    "flute": (1.0, 0.0, 0.5, 0.8),
+    "strings": (0.25, 0.0, 1.0, 0.0),
 }
 
 
@@ -57,8 +119,13 @@ class SongSpec:
     sections: tuple[str, ...]
 
     def attributes(self) -> dict[str, object]:
-        return {"tonic": self.tonic, "mode": self.mode, "bpm": self.bpm, "timbre": self.timbre,
-                "loudness": self.loudness}
+        return {
+            "tonic": self.tonic,
+            "mode": self.mode,
+            "bpm": self.bpm,
+            "timbre": self.timbre,
+            "loudness": self.loudness,
+        }
 
 
 def caption_for(spec: SongSpec, rng: random.Random) -> str:
@@ -82,17 +149,29 @@ def lyrics_for(spec: SongSpec, rng: random.Random) -> str:
 
 
 def random_spec(rng: random.Random) -> SongSpec:
-    body = rng.choice((("verse", "chorus"), ("verse", "chorus", "verse"), ("verse", "chorus", "bridge"),
-                       ("chorus", "verse", "chorus")))
+    body = rng.choice(
+        (
+            ("verse", "chorus"),
+            ("verse", "chorus", "verse"),
+            ("verse", "chorus", "bridge"),
+            ("chorus", "verse", "chorus"),
+        )
+    )
     sections = (("intro",) if rng.random() < 0.3 else ()) + body + (("outro",) if rng.random() < 0.3 else ())
-    return SongSpec(rng.randrange(12), rng.choice(MODES), rng.choice(TEMPI), rng.choice(TIMBRES),
-                    rng.choice(LOUDNESS), sections[:5])
+    return SongSpec(
+        rng.randrange(12), rng.choice(MODES), rng.choice(TEMPI), rng.choice(TIMBRES), rng.choice(LOUDNESS), sections[:5]
+    )
 
 
 def is_held_out(spec: SongSpec) -> bool:
     """Held-out attribute combinations (about 1 in 8), never shown in training."""
-    return (spec.tonic * 7 + MODES.index(spec.mode) * 3 + TEMPI.index(spec.bpm) * 5
-            + TIMBRES.index(spec.timbre) * 11 + LOUDNESS.index(spec.loudness) * 2) % 8 == 0
+    return (
+        spec.tonic * 7
+        + MODES.index(spec.mode) * 3
+        + TEMPI.index(spec.bpm) * 5
+        + TIMBRES.index(spec.timbre) * 11
+        + LOUDNESS.index(spec.loudness) * 2
+    ) % 8 == 0
 
 
 def compose(spec: SongSpec, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
@@ -132,8 +211,16 @@ def compose(spec: SongSpec, rng: random.Random) -> tuple[np.ndarray, np.ndarray]
         dynamics = (0 if spec.loudness == "soft" else 2) + (1 if section == "chorus" else 0)
         for f in range(start, end):
             age = (f - start) / FRAME_RATE  # seconds since the onset
-            codes[f] = (c0, int(f == start), chord_root, quality, TIMBRES.index(spec.timbre), dynamics,
-                        SECTIONS.index(section), b % 4)
+            codes[f] = (
+                c0,
+                int(f == start),
+                chord_root,
+                quality,
+                TIMBRES.index(spec.timbre),
+                dynamics,
+                SECTIONS.index(section),
+                b % 4,
+            )
             if spec.timbre == "piano":
                 env = np.exp(-age * 3.0)
             elif spec.timbre == "flute":
@@ -146,6 +233,14 @@ def compose(spec: SongSpec, rng: random.Random) -> tuple[np.ndarray, np.ndarray]
                 env *= 0.3  # a short release before the next note keeps onsets audible for sustained timbres
             amp = 0.0 if rest else level * (1.1 if section == "chorus" else 1.0) * env
             bass_midi = 36 + chord_root
-            latents[f] = ((midi - 66) / 12 if not rest else 0.0, amp, (bass_midi - 42) / 12,
-                          level * 0.8 * (0.6 + 0.4 * np.exp(-age * 6.0)), roll, odd, vib, breath)
+            latents[f] = (
+                (midi - 66) / 12 if not rest else 0.0,
+                amp,
+                (bass_midi - 42) / 12,
+                level * 0.8 * (0.6 + 0.4 * np.exp(-age * 6.0)),
+                roll,
+                odd,
+                vib,
+                breath,
+            )
     return codes, latents

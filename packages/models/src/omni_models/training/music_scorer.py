@@ -35,7 +35,7 @@ def _harmonic_salience(mag: np.ndarray, freqs: np.ndarray, midis: np.ndarray, ha
         for h in range(1, harmonics + 1):
             b = int(round(h * f0 / bin_hz))
             if b + 1 < mag.shape[1]:
-                out[:, j] += mag[:, b - 1:b + 2].max(1) / h**0.5
+                out[:, j] += mag[:, b - 1 : b + 2].max(1) / h**0.5
     return out
 
 
@@ -106,8 +106,15 @@ def _timbre_features(x: np.ndarray, sample_rate: int) -> np.ndarray:
     env = onset_envelope(x, sample_rate) + 1e-9
     rms = np.sqrt(np.convolve(x**2, np.ones(160) / 160, mode="valid")[::160])
     decay = np.mean(np.abs(np.diff(np.log(rms + 1e-4))))
-    return np.array([np.log(np.median(centroid) + 1), np.log(np.median(high / (low + 1e-9)) + 1e-6),
-                     np.log(np.median(flatness) + 1e-6), decay * 10, np.std(env) / (np.mean(np.abs(env)))])
+    return np.array(
+        [
+            np.log(np.median(centroid) + 1),
+            np.log(np.median(high / (low + 1e-9)) + 1e-6),
+            np.log(np.median(flatness) + 1e-6),
+            decay * 10,
+            np.std(env) / (np.mean(np.abs(env))),
+        ]
+    )
 
 
 def _level(x: np.ndarray) -> float:
@@ -125,15 +132,22 @@ class MusicScorer:
     loudness_thresholds: np.ndarray  # per timbre
 
     @classmethod
-    def calibrated(cls, sample_rate: int = 16000, frame_rate: int = 16, per_class: int = 6,
-                   seed: int = 1234) -> MusicScorer:
+    def calibrated(
+        cls, sample_rate: int = 16000, frame_rate: int = 16, per_class: int = 6, seed: int = 1234
+    ) -> MusicScorer:
         rng = random.Random(seed)
         feats: dict[str, list[np.ndarray]] = {t: [] for t in TIMBRES}
         rms: dict[tuple[str, str], list[float]] = {(t, v): [] for t in TIMBRES for v in LOUDNESS}
         for timbre in TIMBRES:
             for i in range(per_class):
-                spec = SongSpec(rng.randrange(12), rng.choice(("major", "minor")), rng.choice(TEMPI), timbre,
-                                LOUDNESS[i % 2], ("verse", "chorus"))
+                spec = SongSpec(
+                    rng.randrange(12),
+                    rng.choice(("major", "minor")),
+                    rng.choice(TEMPI),
+                    timbre,
+                    LOUDNESS[i % 2],
+                    ("verse", "chorus"),
+                )
                 _, latents = compose(spec, rng)
                 audio = decode(latents, sample_rate=sample_rate, frame_rate=frame_rate)
                 feats[timbre].append(_timbre_features(audio, sample_rate))
@@ -150,8 +164,13 @@ class MusicScorer:
         t = int(np.argmin((((self.timbre_centroids - f) / self.timbre_scale) ** 2).sum(1)))
         loudness = "loud" if _level(x) > self.loudness_thresholds[t] else "soft"
         timbre = TIMBRES[t]
-        return {"tonic": tonic, "mode": mode, "bpm": tempo_of(x, self.sample_rate), "timbre": timbre,
-                "loudness": loudness}
+        return {
+            "tonic": tonic,
+            "mode": mode,
+            "bpm": tempo_of(x, self.sample_rate),
+            "timbre": timbre,
+            "loudness": loudness,
+        }
 
 
 def adherence(read: dict[str, object], wanted: dict[str, object]) -> tuple[int, int]:

@@ -91,7 +91,7 @@ def adherence(readings: Sequence[SceneReading], scenes: Sequence[SceneSpec]) -> 
     """Fraction correct per attribute, their mean (``"attributes"``) and the all-four-correct rate (``"scene"``)."""
     if len(readings) != len(scenes) or not scenes:
         raise ValueError(f"need as many readings as scenes (>0), got {len(readings)} and {len(scenes)}")
-    matches = [reading.matches(scene) for reading, scene in zip(readings, scenes)]
+    matches = [reading.matches(scene) for reading, scene in zip(readings, scenes, strict=True)]
     result = {name: sum(m[name] for m in matches) / len(matches) for name in ATTRIBUTES}
     result["attributes"] = sum(result[name] for name in ATTRIBUTES) / len(ATTRIBUTES)
     result["scene"] = sum(all(m.values()) for m in matches) / len(matches)

@@ -23,14 +23,14 @@ SHAPE_RADIUS = 4  # every shape fits in the 9x9 square centred on its centre pix
 
 # Well separated in RGB (min pairwise distance > 100), so a slightly off colour still maps back correctly.
 PALETTE_RGB: tuple[tuple[int, int, int], ...] = (
-    (220, 40, 40),    # red
-    (250, 140, 30),   # orange
-    (240, 220, 40),   # yellow
-    (40, 180, 60),    # green
-    (40, 80, 220),    # blue
-    (150, 60, 200),   # purple
+    (220, 40, 40),  # red
+    (250, 140, 30),  # orange
+    (240, 220, 40),  # yellow
+    (40, 180, 60),  # green
+    (40, 80, 220),  # blue
+    (150, 60, 200),  # purple
     (240, 240, 240),  # white
-    (20, 20, 20),     # black
+    (20, 20, 20),  # black
 )
 assert len(PALETTE_RGB) == len(COLOR_NAMES)
 
@@ -100,8 +100,10 @@ def all_scenes() -> list[SceneSpec]:
 
 
 def _scene_hash(scene: SceneSpec) -> str:
-    key = f"{SHAPE_NAMES[scene.shape]}|{COLOR_NAMES[scene.color]}|{POSITION_NAMES[scene.position]}|" \
-          f"{COLOR_NAMES[scene.background]}"
+    key = (
+        f"{SHAPE_NAMES[scene.shape]}|{COLOR_NAMES[scene.color]}|{POSITION_NAMES[scene.position]}|"
+        f"{COLOR_NAMES[scene.background]}"
+    )
     return hashlib.sha256(key.encode()).hexdigest()
 
 

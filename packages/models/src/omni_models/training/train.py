@@ -42,8 +42,9 @@ CAPTION_FORM_WEIGHTS = (0.7, 0.1, 0.1, 0.1)
 class SceneStream:
     """Draws training batches on the device: scenes from the training split, rendered and captioned on the fly."""
 
-    def __init__(self, scenes: list[SceneSpec], tokenizer: Tokenizer, device: torch.device, seed: int,
-                 null_prompt_rate: float) -> None:
+    def __init__(
+        self, scenes: list[SceneSpec], tokenizer: Tokenizer, device: torch.device, seed: int, null_prompt_rate: float
+    ) -> None:
         self.scenes = scenes_to_tensor(scenes, device)
         tokens = torch.full((len(scenes), len(CAPTION_FORMS), tokenizer.max_tokens), PAD_ID, dtype=torch.long)
         for i, scene in enumerate(scenes):
@@ -74,18 +75,35 @@ class SceneStream:
         return token_ids, images, noise, t
 
 
-def evaluate(model: CausalPrefixDiT, scenes: list[SceneSpec], tokenizer: Tokenizer, *, guidance_scale: float,
-             num_steps: int, seed: int, batch_size: int, autocast_dtype: torch.dtype | None) -> tuple[dict, torch.Tensor]:
+def evaluate(
+    model: CausalPrefixDiT,
+    scenes: list[SceneSpec],
+    tokenizer: Tokenizer,
+    *,
+    guidance_scale: float,
+    num_steps: int,
+    seed: int,
+    batch_size: int,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[dict, torch.Tensor]:
     """Adherence of full-caption generations for ``scenes`` (image i uses noise seed ``seed + i``)."""
     images = []
     for start in range(0, len(scenes), batch_size):
         chunk = scenes[start : start + batch_size]
         cond = [tokenizer.encode(scene.caption()) for scene in chunk]
-        images.append(generate_dense(
-            model, cond, [tokenizer.null_ids] * len(chunk), [seed + start + i for i in range(len(chunk))],
-            num_steps=num_steps, guidance_scale=guidance_scale, height=IMAGE_SIZE, width=IMAGE_SIZE,
-            autocast_dtype=autocast_dtype,
-        ))
+        images.append(
+            generate_dense(
+                model,
+                cond,
+                [tokenizer.null_ids] * len(chunk),
+                [seed + start + i for i in range(len(chunk))],
+                num_steps=num_steps,
+                guidance_scale=guidance_scale,
+                height=IMAGE_SIZE,
+                width=IMAGE_SIZE,
+                autocast_dtype=autocast_dtype,
+            )
+        )
     images = torch.cat(images)
     return adherence(read_scenes(to_uint8_images(images)), scenes), images
 
@@ -136,8 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = CausalPrefixDiT(config).to(device)
     parameters = [p for p in model.parameters()]
     ema = [p.detach().clone().float() for p in parameters]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        parameters, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0, fused=device.type == "cuda"
+    )
     stream = SceneStream(train_scenes, tokenizer, device, args.seed + 1, args.null_prompt_rate)
 
     losses: list[tuple[int, float]] = []
@@ -177,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Ship (and evaluate) exactly what is saved: the EMA weights rounded to bfloat16.
     with torch.no_grad():
-        for p, e in zip(parameters, ema):
+        for p, e in zip(parameters, ema, strict=True):
             p.copy_(e.to(torch.bfloat16).float())
     model.eval()
     state = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
@@ -189,8 +208,16 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     sample_files = {}
     for guidance in (1.0, 4.0):
-        scores, images = evaluate(model, held_out, tokenizer, guidance_scale=guidance, num_steps=args.eval_steps,
-                                  seed=10_000, batch_size=100, autocast_dtype=autocast_dtype)
+        scores, images = evaluate(
+            model,
+            held_out,
+            tokenizer,
+            guidance_scale=guidance,
+            num_steps=args.eval_steps,
+            seed=10_000,
+            batch_size=100,
+            autocast_dtype=autocast_dtype,
+        )
         results[f"guidance_{guidance:g}"] = scores
         sample_files[f"guidance_{guidance:g}"] = save_samples(images[:8], args.out / "samples", f"g{guidance:g}")
         print(f"guidance {guidance:g}: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)

@@ -26,7 +26,7 @@ from omni_models.flow import noisy_sample, sample_training_times
 from omni_models.model import CausalPrefixDiT
 from omni_models.music.acoustic import acoustic_config, acoustic_prefix_ids, generate_latents
 from omni_models.music.backbone import MusicBackbone
-from omni_models.music.config import AUDIO_END, MusicConfig, NUM_CODEBOOKS
+from omni_models.music.config import AUDIO_END, NUM_CODEBOOKS, MusicConfig
 from omni_models.music.decoder import decode
 from omni_models.music.guidance import sample_frames
 from omni_models.music.prompt import MusicTokenizer, build_cfg_null_token_ids
@@ -35,8 +35,16 @@ from omni_models.training.music_scorer import MusicScorer, adherence
 
 
 def tiny_music_config() -> MusicConfig:
-    return MusicConfig(name="omni-tones-tiny", words=VOCABULARY, hidden_size=256, num_layers=6, num_heads=8,
-                       num_kv_heads=2, head_dim=32, intermediate_size=768)
+    return MusicConfig(
+        name="omni-tones-tiny",
+        words=VOCABULARY,
+        hidden_size=256,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=768,
+    )
 
 
 def make_dataset(config: MusicConfig, count: int, seed: int, held_out: bool) -> list[dict]:
@@ -49,8 +57,16 @@ def make_dataset(config: MusicConfig, count: int, seed: int, held_out: bool) -> 
             continue
         caption, lyrics = caption_for(spec, rng), lyrics_for(spec, rng)
         codes, latents = compose(spec, rng)
-        out.append({"spec": spec, "caption": caption, "lyrics": lyrics, "ids": tok.encode(caption, lyrics),
-                    "codes": codes, "latents": latents})
+        out.append(
+            {
+                "spec": spec,
+                "caption": caption,
+                "lyrics": lyrics,
+                "ids": tok.encode(caption, lyrics),
+                "codes": codes,
+                "latents": latents,
+            }
+        )
     return out
 
 
@@ -68,15 +84,15 @@ def ar_batch(config: MusicConfig, items: list[dict], drop: float, rng: random.Ra
     depth_pos = torch.zeros(B, T, dtype=torch.long)
     depth_codes = torch.zeros(B, T, NUM_CODEBOOKS, dtype=torch.long)
     depth_valid = torch.zeros(B, T, dtype=torch.bool)
-    for b, (p, it) in enumerate(zip(prompts, items)):
+    for b, (p, it) in enumerate(zip(prompts, items, strict=True)):
         codes = torch.from_numpy(it["codes"])
         t = codes.shape[0]
         start = P - len(p)
         ids[b, start:P] = torch.tensor(p)
-        pad[b, start:P + t] = True
-        ids[b, P:P + t] = codes[:, 0] + off
-        frame_codes[b, P:P + t] = codes[:, 1:]
-        target[b, P - 1:P - 1 + t] = codes[:, 0] + off
+        pad[b, start : P + t] = True
+        ids[b, P : P + t] = codes[:, 0] + off
+        frame_codes[b, P : P + t] = codes[:, 1:]
+        target[b, P - 1 : P - 1 + t] = codes[:, 0] + off
         target[b, P - 1 + t] = AUDIO_END
         depth_pos[b, :t] = torch.arange(P - 1, P - 1 + t)
         depth_codes[b, :t] = codes
@@ -92,7 +108,7 @@ def ar_loss(model: MusicBackbone, batch) -> tuple[torch.Tensor, torch.Tensor]:
     c0_loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
     h = torch.gather(hidden, 1, depth_pos[..., None].expand(-1, -1, hidden.shape[-1]))[depth_valid]
     codes = depth_codes[depth_valid]
-    dlogits = model.depth.logits(h, codes[:, 0], codes[:, 1:NUM_CODEBOOKS - 1])
+    dlogits = model.depth.logits(h, codes[:, 0], codes[:, 1 : NUM_CODEBOOKS - 1])
     depth_loss = F.cross_entropy(dlogits.flatten(0, 1).float(), codes[:, 1:].flatten())
     return c0_loss, depth_loss
 
@@ -104,16 +120,23 @@ def acoustic_batch(config: MusicConfig, dit: DiTConfig, items: list[dict], rng: 
         t = it["codes"].shape[0]
         start = rng.randrange(0, max(1, t - w + 1))
         start -= start % config.hop_frames if rng.random() < 0.5 else 0
-        codes = it["codes"][start:start + w]
-        latents = it["latents"][start:start + w]
+        codes = it["codes"][start : start + w]
+        latents = it["latents"][start : start + w]
         ids.append(acoustic_prefix_ids(torch.from_numpy(codes), config))
         lat.append(torch.from_numpy(latents).T[:, None, :])  # [C, 1, W]
     return torch.stack(ids).to(device), torch.stack(lat).to(device)
 
 
 @torch.no_grad()
-def generate_codes(model: MusicBackbone, config: MusicConfig, prompts: list[list[int]], seeds: list[int],
-                   frames: int, scale: float, device: str) -> list[np.ndarray]:
+def generate_codes(
+    model: MusicBackbone,
+    config: MusicConfig,
+    prompts: list[list[int]],
+    seeds: list[int],
+    frames: int,
+    scale: float,
+    device: str,
+) -> list[np.ndarray]:
     """Guided AR generation in plain torch (recomputes the sequence each frame; fine for evaluation)."""
     n = len(prompts)
     rows = prompts + [build_cfg_null_token_ids(p) for p in prompts]
@@ -121,8 +144,8 @@ def generate_codes(model: MusicBackbone, config: MusicConfig, prompts: list[list
     ids = torch.zeros(2 * n, P, dtype=torch.long)
     pad = torch.zeros(2 * n, P, dtype=torch.bool)
     for r, p in enumerate(rows):
-        ids[r, P - len(p):] = torch.tensor(p)
-        pad[r, P - len(p):] = True
+        ids[r, P - len(p) :] = torch.tensor(p)
+        pad[r, P - len(p) :] = True
     ids, pad = ids.to(device), pad.to(device)
     fcodes = torch.full((2 * n, P, NUM_CODEBOOKS - 1), -1, dtype=torch.long, device=device)
     songs: list[list[list[int]]] = [[] for _ in range(n)]
@@ -131,8 +154,18 @@ def generate_codes(model: MusicBackbone, config: MusicConfig, prompts: list[list
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
             hidden = model.hidden(model.embed(ids, fcodes), pad)[:, -1].float()
             logits = model.lm_head(hidden.to(model.lm_head.weight.dtype)).float()
-        results = sample_frames(config, model.depth, logits[:n], logits[n:], hidden[:n], hidden[n:],
-                                seeds, [f * NUM_CODEBOOKS] * n, scale, config.ar_top_k)
+        results = sample_frames(
+            config,
+            model.depth,
+            logits[:n],
+            logits[n:],
+            hidden[:n],
+            hidden[n:],
+            seeds,
+            [f * NUM_CODEBOOKS] * n,
+            scale,
+            config.ar_top_k,
+        )
         nxt = torch.zeros(2 * n, dtype=torch.long)
         nc = torch.full((2 * n, NUM_CODEBOOKS - 1), -1, dtype=torch.long)
         for i, (token, codes) in enumerate(results):
@@ -151,18 +184,26 @@ def generate_codes(model: MusicBackbone, config: MusicConfig, prompts: list[list
     return [np.array(s, dtype=np.int64).reshape(-1, NUM_CODEBOOKS) for s in songs]
 
 
-def held_out_adherence(model: MusicBackbone, dit: CausalPrefixDiT, config: MusicConfig, held: list[dict],
-                       scale: float, scorer: MusicScorer, device: str) -> dict:
+def held_out_adherence(
+    model: MusicBackbone,
+    dit: CausalPrefixDiT,
+    config: MusicConfig,
+    held: list[dict],
+    scale: float,
+    scorer: MusicScorer,
+    device: str,
+) -> dict:
     """Generate every held-out song at AR guidance ``scale`` (seed i for song i, acoustic seed 0) and score it.
 
     Returns ``{"adherence", "per_attribute": {name: [right, asked]}, "mean_frames"}``; a song that ends before its
     first frame counts every wanted attribute as missed.
     """
-    codes = generate_codes(model, config, [h["ids"] for h in held], list(range(len(held))), config.max_frames,
-                           scale, device)
+    codes = generate_codes(
+        model, config, [h["ids"] for h in held], list(range(len(held))), config.max_frames, scale, device
+    )
     got = total = 0
     per: dict[str, list[int]] = {}
-    for h, c in zip(held, codes):
+    for h, c in zip(held, codes, strict=True):
         wanted = h["spec"].attributes()
         if c.shape[0] == 0:
             total += len(wanted)
@@ -187,20 +228,36 @@ def main() -> None:
     parser.add_argument("--eval-songs", type=int, default=40)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-scales", default="", help="comma-separated AR guidance scales (default: the "
-                        "config's, then 1.0)")
+    parser.add_argument(
+        "--eval-scales", default="", help="comma-separated AR guidance scales (default: the config's, then 1.0)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     config = tiny_music_config()
     if args.smoke:
-        config = MusicConfig(name="omni-tones-smoke", words=VOCABULARY, hidden_size=64, num_layers=2, num_heads=2,
-                             num_kv_heads=1, head_dim=32, intermediate_size=128, depth_hidden_size=32,
-                             acoustic_width=32, acoustic_depth=1, acoustic_heads=2, acoustic_steps=2)
+        config = MusicConfig(
+            name="omni-tones-smoke",
+            words=VOCABULARY,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            depth_hidden_size=32,
+            acoustic_width=32,
+            acoustic_depth=1,
+            acoustic_heads=2,
+            acoustic_steps=2,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    log: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "config": config.to_dict(),
-                 "args": {k: str(v) for k, v in vars(args).items()}}
+    log: dict = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "config": config.to_dict(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     t0 = time.time()
     train = make_dataset(config, args.train_songs, args.seed, held_out=False)
     held = make_dataset(config, args.eval_songs, args.seed + 1, held_out=True)
@@ -224,8 +281,14 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 100 == 0:
-            ar_log.append({"step": step, "s": round(time.time() - t0, 1), "c0": round(c0_loss.item(), 4),
-                           "depth": round(depth_loss.item(), 4)})
+            ar_log.append(
+                {
+                    "step": step,
+                    "s": round(time.time() - t0, 1),
+                    "c0": round(c0_loss.item(), 4),
+                    "depth": round(depth_loss.item(), 4),
+                }
+            )
             print("ar", ar_log[-1], flush=True)
         step += 1
     log["ar"] = {"steps": step, "seconds": time.time() - t0, "curve": ar_log}
@@ -257,14 +320,18 @@ def main() -> None:
 
     # --- save
     model.eval(), dit.eval()
-    save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items()},
-              str(args.out / "ar.safetensors"))
-    save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in dit.state_dict().items()},
-              str(args.out / "acoustic.safetensors"))
+    save_file(
+        {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items()},
+        str(args.out / "ar.safetensors"),
+    )
+    save_file(
+        {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in dit.state_dict().items()},
+        str(args.out / "acoustic.safetensors"),
+    )
     (args.out / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
 
     # --- held-out adherence (plain torch; bf16 weights as shipped)
-    for module, name in ((model, "ar"), (dit, "acoustic")):
+    for module in (model, dit):
         module.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in module.state_dict().items()})
     scorer = MusicScorer.calibrated(config.sample_rate, config.frame_rate)
     results = {}

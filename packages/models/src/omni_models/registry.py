@@ -1,0 +1,196 @@
+"""One registry of model kinds, and the one ``inspect`` and ``load`` every kind goes through.
+
+A model name resolves to a directory (``omni_models.hub``: a shipped name, a local directory, a repo id in the
+local Hugging Face cache); the directory's kind is the first ``ModelKind`` it matches, read from metadata only
+(a diffusers checkpoint's ``model_index.json`` class name, an omni model's marker file). Each kind's work lives in
+one backend module (``omni_models.backends.<kind>``, imported on first use) with two functions:
+
+- ``inspect(directory, name) -> ModelSpec``: the model's ``ModelInfo`` and capabilities from metadata alone
+  (configs, safetensors headers), raising ``CheckpointError`` naming the file before anything is loaded;
+- ``load(directory, name, options) -> StepwisePipeline`` (``omni_models.contract``).
+
+Adding a model kind is one ``KINDS`` entry and one backend module; nothing else branches on kind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from omni_models.errors import CheckpointError
+from omni_models.hub import DIFFUSERS_INDEX_NAME, resolve_model_dir
+
+if TYPE_CHECKING:
+    import torch
+
+    from omni_models.contract import StepwisePipeline
+    from omni_models.spec import ModelSpec
+
+AttentionBackend = Literal["paged", "dense"]
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """One kind of model directory: a diffusers family is told by ``model_index.json``'s ``_class_name``
+    (``pipeline_class``), an omni model by a ``marker`` file beside its ``config.json``."""
+
+    name: str
+    backend: str  # the module holding inspect() and load()
+    pipeline_class: str | None = None
+    marker: str | None = None
+
+    def matches(self, directory: Path, pipeline_class: str | None) -> bool:
+        if self.pipeline_class is not None:
+            return pipeline_class == self.pipeline_class
+        return pipeline_class is None and self.marker is not None and (directory / self.marker).is_file()
+
+    def module(self) -> Any:
+        return importlib.import_module(self.backend)
+
+
+# First match wins: a music model directory also holds a config.json, so it comes before the DiT.
+KINDS: tuple[ModelKind, ...] = (
+    ModelKind("omni-music", "omni_models.backends.music", marker="ar.safetensors"),
+    ModelKind("omni-dit", "omni_models.backends.dit", marker="config.json"),
+    ModelKind("flux", "omni_models.backends.flux", pipeline_class="FluxPipeline"),
+    ModelKind("qwen-image", "omni_models.backends.qwen_image", pipeline_class="QwenImagePipeline"),
+)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model; ``omni_models.load``'s arguments after their checks. Each backend refuses, naming the
+    option, what its kind cannot do (``capabilities`` in its ``ModelSpec`` says so before loading)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    quantization: Literal["fp8"] | None = None
+    fp8_cache_dir: Path | None = None
+    layerwise_offload: bool = False
+    offload_resident_blocks: int = 0
+    offload_allgather: bool = False  # shard the streamed blocks over ``offload_group`` (several ranks)
+    offload_group: Any = None  # a torch.distributed ProcessGroup: omni_models.parallel.ParallelState.offload_group
+    attention_backend: AttentionBackend | None = None  # omni-dit only: "paged" (default) or "dense"
+    cuda_graphs: bool = False  # omni-dit only
+    max_sequence_length: int | None = None  # diffusers families: prompt tokens the text encoder reads
+
+    def __post_init__(self) -> None:
+        check_load_options(
+            quantization=self.quantization,
+            fp8_cache_dir=self.fp8_cache_dir,
+            layerwise_offload=self.layerwise_offload,
+            offload_resident_blocks=self.offload_resident_blocks,
+            offload_allgather=self.offload_allgather,
+        )
+        if self.offload_allgather and self.offload_group is None:
+            raise ValueError(
+                "offload_allgather shards blocks over a process group; pass offload_group (the "
+                "ParallelState's offload_group)"
+            )
+        if self.attention_backend not in (None, "paged", "dense"):
+            raise ValueError(f"attention_backend must be 'paged' or 'dense', got {self.attention_backend!r}")
+
+
+def check_load_options(
+    *,
+    quantization: str | None = None,
+    fp8_cache_dir: object = None,
+    layerwise_offload: bool = False,
+    offload_resident_blocks: int = 0,
+    offload_allgather: bool = False,
+) -> None:
+    """The rules of ``load``'s FP8 and offload options, checkable before any model exists (a server checks its
+    flags with it at start); ``ValueError`` naming the options and what to change."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    if fp8_cache_dir is not None and quantization != "fp8":
+        raise ValueError("fp8_cache_dir caches FP8 weights, so it needs quantization='fp8'")
+    if offload_resident_blocks < 0:
+        raise ValueError(f"offload_resident_blocks must be >= 0, got {offload_resident_blocks}")
+    if (offload_resident_blocks or offload_allgather) and not layerwise_offload:
+        raise ValueError(
+            "offload_resident_blocks and offload_allgather apply to layerwise offload; turn on layerwise_offload"
+        )
+
+
+def kind_of(directory: Path) -> ModelKind:
+    """The registry entry of a model directory, from its metadata; ``CheckpointError`` when none matches."""
+    index = directory / DIFFUSERS_INDEX_NAME
+    pipeline_class = None
+    if index.is_file():
+        try:
+            pipeline_class = json.loads(index.read_text()).get("_class_name")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(index, f"unreadable pipeline index: {exc}") from None
+        if not isinstance(pipeline_class, str):
+            raise CheckpointError(index, "has no string _class_name naming the pipeline")
+    for kind in KINDS:
+        if kind.matches(directory, pipeline_class):
+            return kind
+    if pipeline_class is not None:
+        supported = ", ".join(sorted(k.pipeline_class for k in KINDS if k.pipeline_class))
+        raise CheckpointError(index, f"unknown _class_name {pipeline_class!r}; supported: {supported}")
+    raise CheckpointError(directory, "not a model directory omni knows")
+
+
+def inspect(name_or_path: str, *, allow_download: bool = False) -> ModelSpec:
+    """What the model is and accepts, from its metadata alone (no tensor data read, no device touched).
+
+    Raises ``InvalidRequestError`` (param ``model``) for a name that resolves to nothing and ``CheckpointError``
+    (one line: the file and the problem) for a bad checkpoint.
+    """
+    directory = resolve_model_dir(name_or_path, allow_download=allow_download)
+    return kind_of(directory).module().inspect(directory, name_or_path)
+
+
+def load(
+    name_or_path: str = "omni-shapes-tiny",
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    quantization: Literal["fp8"] | None = None,
+    fp8_cache_dir: str | Path | None = None,
+    layerwise_offload: bool = False,
+    offload_resident_blocks: int = 0,
+    offload_allgather: bool = False,
+    offload_group: Any = None,
+    attention_backend: AttentionBackend | None = None,
+    cuda_graphs: bool = False,
+    max_sequence_length: int | None = None,
+    allow_download: bool = False,
+) -> StepwisePipeline:
+    """Load any model omni knows (shipped name, local directory, or a Hugging Face repo id from the local cache
+    only, unless ``allow_download``) as a pipeline implementing ``omni_models.contract.StepwisePipeline``.
+
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA. ``quantization="fp8"`` swaps eligible linears for
+    FP8 linears, read from ``fp8_cache_dir`` when it holds a current artifact (a miss quantizes and publishes it);
+    ``layerwise_offload`` keeps the repeated blocks in host memory and streams them to the device
+    (``offload_resident_blocks`` leading blocks stay; ``offload_allgather`` shards them over the ranks of
+    ``offload_group``, a ``ParallelState.offload_group``). ``attention_backend`` and ``cuda_graphs`` apply to the
+    causal-prefix DiT, ``max_sequence_length`` to the diffusers families. A bad checkpoint raises ``CheckpointError``
+    before anything is placed on ``device``.
+    """
+    import torch
+
+    directory = resolve_model_dir(name_or_path, allow_download=allow_download)
+    device = torch.device(device)
+    options = LoadOptions(
+        device=device,
+        dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
+        quantization=quantization,
+        fp8_cache_dir=None if fp8_cache_dir is None else Path(fp8_cache_dir),
+        layerwise_offload=layerwise_offload,
+        offload_resident_blocks=offload_resident_blocks,
+        offload_allgather=offload_allgather,
+        offload_group=offload_group,
+        attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+        max_sequence_length=max_sequence_length,
+    )
+    return kind_of(directory).module().load(directory, name_or_path, options)
+
+
+__all__ = ["KINDS", "LoadOptions", "ModelKind", "check_load_options", "inspect", "kind_of", "load"]
