@@ -57,7 +57,7 @@ def top_level(module: str) -> str:
 
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_leaf_imports_no_other_omni_package(leaf: str) -> None:
-    forbidden = (set(PACKAGES) - {leaf})
+    forbidden = set(PACKAGES) - {leaf}
     offenders = [
         f"{path.relative_to(ROOT)}:{line} imports {module}"
         for path in sources(leaf)
@@ -133,16 +133,22 @@ API_ROOTS = ("cfg_pairing", "diffusion_kv", "dlo_offload", "fp8_cache", "omni_mo
 def test_package_root_exports_an_all_of_public_bound_names(package: str) -> None:
     tree = ast.parse((PACKAGES[package] / "__init__.py").read_text())
     exported = next(
-        (ast.literal_eval(node.value) for node in tree.body
-         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)),
+        (
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+        ),
         None,
     )
     assert exported, f"{package}/__init__.py has no __all__"
     private = [name for name in exported if name.startswith("_") and not name.startswith("__")]
     assert not private, f"{package} exports private names {private}"
     lazy = {  # names resolved on first use through a module-level `_LAZY = {name: module}` table
-        key.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
-        for key in node.value.keys if isinstance(key, ast.Constant)
+        key.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+        for key in node.value.keys
+        if isinstance(key, ast.Constant)
     }
     unbound = sorted(set(exported) - _bound_names(tree.body) - lazy)
     assert not unbound, f"{package}.__all__ names {unbound}, which the module does not define"

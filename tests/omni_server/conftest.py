@@ -87,8 +87,11 @@ class ServerHandle:
 
     def engine_pid(self) -> int:
         # multiprocessing's spawn context also starts a resource tracker child; the engine is the spawned one.
-        engines = [pid for pid in child_pids(self.process.pid)
-                   if pid_alive(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        engines = [
+            pid
+            for pid in child_pids(self.process.pid)
+            if pid_alive(pid) and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
         assert len(engines) == 1, f"expected one engine child process, found {engines}"
         return engines[0]
 
@@ -142,12 +145,25 @@ def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -
     log_path = tmp_dir / f"server-{port}.log"
     model = os.environ.get("OMNI_SERVER_TEST_MODEL")  # optional: run the suite against another local model
     model_args = [model, "--served-model-name", "omni-shapes-tiny"] if model else []
-    argv = [sys.executable, "-m", "omni_server", "serve", *model_args, "--device", "cpu", "--host", "127.0.0.1",
-            "--port", str(port), *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "omni_server",
+        "serve",
+        *model_args,
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     with open(log_path, "wb") as log:
         # Its own process group, so a test can signal the group (as a terminal or a container runtime does).
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
     handle = ServerHandle(process, f"http://127.0.0.1:{port}", log_path, argv)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -239,16 +255,26 @@ def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if binary is None or driver_path is None:
-        pytest.skip("needs Chromium and its driver (Debian: apt-get install chromium chromium-driver; "
-                    "tests/run_matrix.sh installs them)")
+        pytest.skip(
+            "needs Chromium and its driver (Debian: apt-get install chromium chromium-driver; "
+            "tests/run_matrix.sh installs them)"
+        )
     monkeypatch.setenv("SE_AVOID_STATS", "true")
     monkeypatch.setenv("SE_OFFLINE", "true")
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1, EXCLUDE localhost",
-                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1, EXCLUDE localhost",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     driver.set_page_load_timeout(30)

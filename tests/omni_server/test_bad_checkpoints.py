@@ -72,12 +72,16 @@ CASES = [_not_diffusers, _missing_shard, _truncated_shard, _corrupt_header, _unk
 
 @pytest.mark.parametrize("breakage", CASES, ids=[c.__name__.strip("_") for c in CASES])
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_a_bad_checkpoint_exits_2_with_one_line_naming_the_file(family_dirs, tmp_path, capsys, breakage,
-                                                               command) -> None:
+def test_a_bad_checkpoint_exits_2_with_one_line_naming_the_file(
+    family_dirs, tmp_path, capsys, breakage, command
+) -> None:
     directory = _copy(family_dirs, tmp_path)
     named, problem = breakage(directory)
-    argv = (["generate", "a cat", "--model", str(directory), "-o", str(tmp_path / "x.png")] if command == "generate"
-            else ["serve", str(directory), "--port", "1"])  # port 1 is never bound: the check comes first
+    argv = (
+        ["generate", "a cat", "--model", str(directory), "-o", str(tmp_path / "x.png")]
+        if command == "generate"
+        else ["serve", str(directory), "--port", "1"]
+    )  # port 1 is never bound: the check comes first
     argv += ["--device", "cpu"]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -92,7 +96,11 @@ def test_serve_with_a_bad_checkpoint_never_starts_an_engine(family_dirs, tmp_pat
     directory = _copy(family_dirs, tmp_path)
     _truncated_shard(directory)
     port = tools.free_port()
-    result = subprocess.run([sys.executable, "-m", "omni_server", "serve", str(directory), "--device", "cpu", "--port",
-                             str(port)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_server", "serve", str(directory), "--device", "cpu", "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert "truncated" in result.stderr and "Uvicorn running" not in result.stderr, result.stderr

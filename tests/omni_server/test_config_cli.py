@@ -70,30 +70,104 @@ def test_bad_config_files_name_the_problem(tmp_path, yaml_text: str, fragment: s
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--offload-resident-layers", "2"], "add --enable-layerwise-offload"),
-        (["--fp8-cache-dir", "/tmp/x"], "add --quantization fp8"),
-        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
-        (["--kv-cache-memory-bytes", "-1"], "kv_cache_memory_bytes must be non-negative"),
+        (
+            ["--gpu-memory-utilization", "1.5"],
+            "gpu_memory_utilization must be <= 1.0; got 1.5 (--gpu-memory-utilization)",
+        ),
+        (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be > 0.0"),
+        (["--kv-cache-memory-bytes", "-1"], "kv_cache_memory_bytes must be >= 0; got -1"),
         (["--max-model-len", "0"], "max_model_len must be positive or -1"),
-        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1; got 0 (--max-num-seqs)"),
         (["--block-size", "12"], "block_size must be a positive power of two"),
-        (["--device", "tpu"], "device must be"),
+        (["--device", "tpu"], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
         (["--kv-cache-memory-bytes", "1.5G"], "decimals are not allowed"),
+        (["--api-key", " "], "api_key must be a key that is not blank"),
+        (["--offload-allgather", "--enable-layerwise-offload"], "needs --sequence-parallel-size >= 2"),
     ],
 )
-def test_invalid_combinations_fail_at_start_with_what_to_change(argv: list[str], fragment: str) -> None:
+def test_invalid_settings_fail_at_start_with_what_to_change(argv: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
         _config(["serve", *argv])
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (
+            ["--offload-resident-blocks", "2"],
+            "apply to layerwise offload; turn on layerwise_offload "
+            "(--enable-layerwise-offload, --offload-resident-blocks",
+        ),
+        (["--fp8-cache-dir", "/tmp/x"], "needs quantization='fp8' (--quantization, --fp8-cache-dir)"),
+        (
+            [
+                "--enable-layerwise-offload",
+                "--offload-resident-blocks",
+                "1",
+                "--offload-allgather",
+                "--sequence-parallel-size",
+                "5",
+            ],
+            "use_allgather",
+        ),
+        (["--sequence-parallel-size", "3"], "--sequence-parallel-size: "),  # 5 heads: 3 does not divide them
+        (
+            ["omni-tones-tiny", "--quantization", "fp8"],
+            "--quantization: omni-tones-tiny (omni-music) does not support it",
+        ),
+    ],
+)
+def test_library_rules_are_checked_with_the_library_before_anything_starts(argv: list[str], fragment: str) -> None:
+    from omni_server.startup import check_startup
+
+    with pytest.raises(ConfigError) as info:
+        check_startup(_config(["serve", *argv]))
+    assert fragment in str(info.value)
+
+
+def test_every_setting_is_a_flag_declared_once() -> None:
+    """The CLI is generated from ServerConfig: each field has its flag, type and group, and a YAML key."""
+    from omni_server.config import FIELD_NAMES, flag
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for name in FIELD_NAMES:
+        if name != "model":
+            assert flag(name) in help_text, name
+    config = _config(
+        ["serve", "--cfg-parallel-size", "2", "--no-warmup", "--allowed-origins", "a,b", "--request-timeout", "5"]
+    )
+    assert (config.cfg_parallel_size, config.warmup, config.allowed_origins, config.request_timeout_s) == (
+        2,
+        False,
+        ["a", "b"],
+        5.0,
+    )
+    with pytest.raises(SystemExit):  # choices come from the field's Literal
+        _config(["serve", "--cfg-parallel-size", "3"])
+
+
 def test_valid_combinations_are_accepted() -> None:
-    config = _config([
-        "serve", "my-model", "--device", "cuda:1", "--enable-layerwise-offload", "--dlo-resident-layers", "2",
-        "--quantization", "fp8", "--fp8-cache-dir", "/tmp/fp8", "--max-model-len", "-1",
-        "--served-model-name", "shapes",
-    ])
-    assert (config.model, config.device, config.offload_resident_layers) == ("my-model", "cuda:1", 2)
+    config = _config(
+        [
+            "serve",
+            "my-model",
+            "--device",
+            "cuda:1",
+            "--enable-layerwise-offload",
+            "--offload-resident-blocks",
+            "2",
+            "--quantization",
+            "fp8",
+            "--fp8-cache-dir",
+            "/tmp/fp8",
+            "--max-model-len",
+            "-1",
+            "--served-model-name",
+            "shapes",
+        ]
+    )
+    assert (config.model, config.device, config.offload_resident_blocks) == ("my-model", "cuda:1", 2)
     assert config.max_model_len == -1
     assert config.model_name == "shapes"
 
@@ -106,17 +180,35 @@ def test_config_travels_to_the_engine_process_as_msgpack() -> None:
 def test_cli_exits_2_with_the_message_on_a_bad_combination() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "omni_server", "serve", "--fp8-cache-dir", "/tmp/x"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
-    assert "add --quantization fp8 or drop --fp8-cache-dir" in result.stderr
+    assert "needs quantization='fp8' (--quantization, --fp8-cache-dir)" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_help_is_grouped_like_vllm_serve() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
-    for group in ("ModelConfig:", "CacheConfig:", "SchedulerConfig:", "OffloadConfig:", "QuantizationConfig:",
-                  "Frontend:"):
+    for group in (
+        "ModelConfig:",
+        "CacheConfig:",
+        "SchedulerConfig:",
+        "OffloadConfig:",
+        "QuantizationConfig:",
+        "Frontend:",
+    ):
         assert group in help_text
-    for flag in ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--max-model-len", "--max-num-seqs",
-                 "--enable-layerwise-offload", "--quantization", "--fp8-cache-dir", "--host", "--port"):
+    for flag in (
+        "--kv-cache-memory-bytes",
+        "--gpu-memory-utilization",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--enable-layerwise-offload",
+        "--quantization",
+        "--fp8-cache-dir",
+        "--host",
+        "--port",
+    ):
         assert flag in help_text

@@ -59,5 +59,8 @@ def test_the_engine_sizes_torch_threads_from_its_affinity_and_does_not_spin() ->
     seen = _threads_in_child(env)
     assert seen["budget"] == seen["torch"] == usable_cpus().count
     # An operator's explicit setting wins.
-    assert _threads_in_child({**env, "OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}) == \
-        {"budget": 3, "torch": 3, "wait": "ACTIVE"}
+    assert _threads_in_child({**env, "OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}) == {
+        "budget": 3,
+        "torch": 3,
+        "wait": "ACTIVE",
+    }

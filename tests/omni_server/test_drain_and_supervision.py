@@ -97,8 +97,11 @@ def test_a_frozen_engine_turns_unhealthy_times_out_and_recovers(server_factory, 
             os.kill(engine, signal.SIGCONT)
     _wait(lambda: _status(server.url, "/health") == 200, 10, "/health to recover after SIGCONT")
     assert _post(server.url, SHORT).status_code == 200
-    _wait(lambda: tools.metric(server.metrics(), "omni:kv_cache_blocks_in_use") == 0, 10,
-          "the timed-out request's blocks to be freed")
+    _wait(
+        lambda: tools.metric(server.metrics(), "omni:kv_cache_blocks_in_use") == 0,
+        10,
+        "the timed-out request's blocks to be freed",
+    )
     assert server.engine_pid() == engine  # recovered, not restarted
 
     # Then kill it: the engine restarts with backoff and the server serves again.

@@ -45,13 +45,50 @@ def _check(psnr, label: str, images, expected) -> None:
 # (CLI flags, diffusers call) per family. Qwen-Image without a negative prompt gets the server's default " " and
 # its default true-CFG scale 4.0, which is diffusers' call with negative_prompt=" ".
 CLI_CASES = {
-    "flux": (["a red circle at the top left", "--steps", "3", "--size", "48x32", "--guidance-scale", "2.5",
-              "--image-seed", "11", "-n", "2"],
-             [(11 + i, dict(prompt="a red circle at the top left", num_inference_steps=3, height=32, width=48,
-                            guidance_scale=2.5)) for i in range(2)]),
-    "qwen-image": (["a blue square", "--steps", "3", "--size", "32x32", "--image-seed", "3"],
-                   [(3, dict(prompt="a blue square", negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=3,
-                             height=32, width=32))]),
+    "flux": (
+        [
+            "a red circle at the top left",
+            "--steps",
+            "3",
+            "--size",
+            "48x32",
+            "--guidance-scale",
+            "2.5",
+            "--image-seed",
+            "11",
+            "-n",
+            "2",
+        ],
+        [
+            (
+                11 + i,
+                dict(
+                    prompt="a red circle at the top left",
+                    num_inference_steps=3,
+                    height=32,
+                    width=48,
+                    guidance_scale=2.5,
+                ),
+            )
+            for i in range(2)
+        ],
+    ),
+    "qwen-image": (
+        ["a blue square", "--steps", "3", "--size", "32x32", "--image-seed", "3"],
+        [
+            (
+                3,
+                dict(
+                    prompt="a blue square",
+                    negative_prompt=" ",
+                    true_cfg_scale=4.0,
+                    num_inference_steps=3,
+                    height=32,
+                    width=32,
+                ),
+            )
+        ],
+    ),
 }
 
 
@@ -59,14 +96,34 @@ CLI_CASES = {
 def test_generate_cli_draws_what_diffusers_draws(family, family_dirs, tools, tmp_path) -> None:
     flags, cases = CLI_CASES[family]
     out = tmp_path / "out.png"
-    result = subprocess.run([sys.executable, "-m", "omni_server", "generate", *flags, "--model", str(family_dirs[family]),
-                             "--device", "cpu", "-o", str(out)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omni_server",
+            "generate",
+            *flags,
+            "--model",
+            str(family_dirs[family]),
+            "--device",
+            "cpu",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     paths = [Path(line) for line in result.stdout.split()]
     assert len(paths) == len(cases)
     reference = _reference(family, family_dirs[family])
-    _check(tools.psnr, f"{family} generate CLI", [Image.open(p) for p in paths],
-           [_expected(reference, seed, **kwargs) for seed, kwargs in cases])
+    _check(
+        tools.psnr,
+        f"{family} generate CLI",
+        [Image.open(p) for p in paths],
+        [_expected(reference, seed, **kwargs) for seed, kwargs in cases],
+    )
 
 
 def _post_all(client: httpx.Client, bodies: list[dict], headers: list[dict]) -> list[httpx.Response]:
@@ -92,25 +149,99 @@ def _images(response: httpx.Response) -> list[Image.Image]:
 # Concurrent requests with different sizes, steps and guidance (and n) through one server; (body, diffusers calls).
 HTTP_CASES = {
     "flux": [
-        ({"prompt": "a red circle at the top left", "size": "48x32", "num_inference_steps": 4, "guidance_scale": 2.5,
-          "seed": 11, "n": 2},
-         [(11 + i, dict(prompt="a red circle at the top left", height=32, width=48, num_inference_steps=4,
-                        guidance_scale=2.5)) for i in range(2)]),
-        ({"prompt": "a photo of a cat in the snow", "negative_prompt": "blurry", "size": "32x32",
-          "num_inference_steps": 2, "guidance_scale": 3.5, "true_cfg_scale": 2.0, "seed": 5},
-         [(5, dict(prompt="a photo of a cat in the snow", negative_prompt="blurry", height=32, width=32,
-                   num_inference_steps=2, guidance_scale=3.5, true_cfg_scale=2.0))]),
-        ({"prompt": "a green triangle", "size": "48x32", "num_inference_steps": 3, "seed": 2},
-         [(2, dict(prompt="a green triangle", height=32, width=48, num_inference_steps=3, guidance_scale=3.5))]),
+        (
+            {
+                "prompt": "a red circle at the top left",
+                "size": "48x32",
+                "num_inference_steps": 4,
+                "guidance_scale": 2.5,
+                "seed": 11,
+                "n": 2,
+            },
+            [
+                (
+                    11 + i,
+                    dict(
+                        prompt="a red circle at the top left",
+                        height=32,
+                        width=48,
+                        num_inference_steps=4,
+                        guidance_scale=2.5,
+                    ),
+                )
+                for i in range(2)
+            ],
+        ),
+        (
+            {
+                "prompt": "a photo of a cat in the snow",
+                "negative_prompt": "blurry",
+                "size": "32x32",
+                "num_inference_steps": 2,
+                "guidance_scale": 3.5,
+                "true_cfg_scale": 2.0,
+                "seed": 5,
+            },
+            [
+                (
+                    5,
+                    dict(
+                        prompt="a photo of a cat in the snow",
+                        negative_prompt="blurry",
+                        height=32,
+                        width=32,
+                        num_inference_steps=2,
+                        guidance_scale=3.5,
+                        true_cfg_scale=2.0,
+                    ),
+                )
+            ],
+        ),
+        (
+            {"prompt": "a green triangle", "size": "48x32", "num_inference_steps": 3, "seed": 2},
+            [(2, dict(prompt="a green triangle", height=32, width=48, num_inference_steps=3, guidance_scale=3.5))],
+        ),
     ],
     "qwen-image": [
-        ({"prompt": "a red circle on a blue background", "negative_prompt": "bad quality", "size": "32x48",
-          "num_inference_steps": 3, "guidance_scale": 3.0, "seed": 21},
-         [(21, dict(prompt="a red circle on a blue background", negative_prompt="bad quality", height=48, width=32,
-                    num_inference_steps=3, true_cfg_scale=3.0))]),
-        ({"prompt": "dog", "size": "32x48", "num_inference_steps": 2, "seed": 4},
-         [(4, dict(prompt="dog", negative_prompt=" ", height=48, width=32, num_inference_steps=2,
-                   true_cfg_scale=4.0))]),
+        (
+            {
+                "prompt": "a red circle on a blue background",
+                "negative_prompt": "bad quality",
+                "size": "32x48",
+                "num_inference_steps": 3,
+                "guidance_scale": 3.0,
+                "seed": 21,
+            },
+            [
+                (
+                    21,
+                    dict(
+                        prompt="a red circle on a blue background",
+                        negative_prompt="bad quality",
+                        height=48,
+                        width=32,
+                        num_inference_steps=3,
+                        true_cfg_scale=3.0,
+                    ),
+                )
+            ],
+        ),
+        (
+            {"prompt": "dog", "size": "32x48", "num_inference_steps": 2, "seed": 4},
+            [
+                (
+                    4,
+                    dict(
+                        prompt="dog",
+                        negative_prompt=" ",
+                        height=48,
+                        width=32,
+                        num_inference_steps=2,
+                        true_cfg_scale=4.0,
+                    ),
+                )
+            ],
+        ),
     ],
 }
 
@@ -147,10 +278,14 @@ def test_http_api_draws_what_diffusers_draws_for_concurrent_requests(family, fam
         keys = [f"progress-{family}-{i}" for i in range(len(bodies))]
         responses = _post_all(client, bodies, [{"X-Omni-Progress-Key": key} for key in keys])
         images = [image for response in responses for image in _images(response)]
-        for key, body in zip(keys, bodies):
+        for key, body in zip(keys, bodies, strict=True):
             state = client.get(f"/v1/progress/{key}").json()
-            assert state == {"key": key, "status": "done", "step": body["num_inference_steps"],
-                             "total": body["num_inference_steps"]}, state
+            assert state == {
+                "key": key,
+                "status": "done",
+                "step": body["num_inference_steps"],
+                "total": body["num_inference_steps"],
+            }, state
         assert client.get("/v1/progress/never-sent-key").status_code == 404
     reference = _reference(family, family_dirs[family])
     expected = [_expected(reference, seed, **kwargs) for _, calls in HTTP_CASES[family] for seed, kwargs in calls]
@@ -160,12 +295,38 @@ def test_http_api_draws_what_diffusers_draws_for_concurrent_requests(family, fam
 def test_offload_equals_plain_exactly_and_fp8_stays_within_its_bound(family_dirs, tools, tmp_path) -> None:
     """Through ``omni-server generate``: layerwise offload gives the plain image byte for byte; FP8 (the family's
     ignore list) stays within 35 dB of it (the bound tests/omni_models holds the pipeline to)."""
+
     def generate(name: str, *flags: str) -> Image.Image:
         out = tmp_path / f"{name}.png"
-        result = subprocess.run([sys.executable, "-m", "omni_server", "generate", "a red circle on a blue background",
-                                 "--model", str(family_dirs["flux"]), "--device", "cpu", "--steps", "3", "--size",
-                                 "32x32", "--image-seed", "9", "--negative-prompt", "bad quality", "--true-cfg-scale",
-                                 "3", "-o", str(out), *flags], capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "omni_server",
+                "generate",
+                "a red circle on a blue background",
+                "--model",
+                str(family_dirs["flux"]),
+                "--device",
+                "cpu",
+                "--steps",
+                "3",
+                "--size",
+                "32x32",
+                "--image-seed",
+                "9",
+                "--negative-prompt",
+                "bad quality",
+                "--true-cfg-scale",
+                "3",
+                "-o",
+                str(out),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr
         return Image.open(out)
 
@@ -179,7 +340,8 @@ def test_offload_equals_plain_exactly_and_fp8_stays_within_its_bound(family_dirs
 
 
 def test_playground_offers_the_family_fields_shows_progress_keeps_a_gallery_and_clears_on_failure(
-        family_server, browser, family_dirs, tools) -> None:
+    family_server, browser, family_dirs, tools
+) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -198,8 +360,16 @@ def test_playground_offers_the_family_fields_shows_progress_keeps_a_gallery_and_
             element.send_keys(value)
         driver.find_element(By.ID, "generate").click()
 
-    fill(prompt="a photo of a cat in the snow", negative="blurry", size="32x32", steps="3", guidance="3.5",
-         **{"true-cfg": "2"}, n="2", seed="5")
+    fill(
+        prompt="a photo of a cat in the snow",
+        negative="blurry",
+        size="32x32",
+        steps="3",
+        guidance="3.5",
+        **{"true-cfg": "2"},
+        n="2",
+        seed="5",
+    )
     WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith("Done"))
     assert driver.find_element(By.ID, "status").text == "Done (3/3 steps)."
     progress = driver.find_element(By.ID, "progress")
@@ -212,9 +382,17 @@ def test_playground_offers_the_family_fields_shows_progress_keeps_a_gallery_and_
     # The shown image is diffusers' image for seed 5 (decoded from the page's data URL).
     src = driver.find_element(By.ID, "result").get_attribute("src")
     shown = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
-    expected = _expected(_reference("flux", family_dirs["flux"]), 5, prompt="a photo of a cat in the snow",
-                         negative_prompt="blurry", height=32, width=32, num_inference_steps=3, guidance_scale=3.5,
-                         true_cfg_scale=2.0)
+    expected = _expected(
+        _reference("flux", family_dirs["flux"]),
+        5,
+        prompt="a photo of a cat in the snow",
+        negative_prompt="blurry",
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=3.5,
+        true_cfg_scale=2.0,
+    )
     assert tools.psnr(shown, expected) >= TARGET_DB
     # A failing request clears the old image and names the field; the gallery keeps this session's images.
     fill(size="33x32")

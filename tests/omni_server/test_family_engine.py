@@ -1,12 +1,14 @@
-"""``FamilyEngine`` in this process: step-level batching over ``FamilyPipeline`` (forwards, text encoders and VAE
-decodes counted on the real diffusers-backed pipeline), per-request fields, failures and aborts."""
+"""The engine core over ``FamilyPipeline`` (the batched strategy) in this process: step-level batching (forwards,
+text encoders and VAE decodes counted on the real diffusers-backed pipeline), per-request fields, failures and
+aborts."""
 
 from __future__ import annotations
 
 import pytest
 
+from omni_models import GenerationRequest, InvalidRequestError, resolve_request
 from omni_server.config import build_config
-from omni_server.protocol import GenerationParams, RequestFinished
+from omni_server.protocol import RequestFinished
 
 pytest.importorskip("diffusers")
 
@@ -33,9 +35,13 @@ def pipelines(family_dirs):
 
 
 def _engine(pipeline, **config):
-    from omni_server.family_engine import FamilyEngine
+    from omni_server.engine import EngineCore
 
-    return FamilyEngine(pipeline, build_config(None, model="unused", device="cpu", warmup=False, **config))
+    return EngineCore(pipeline, build_config(None, model="unused", device="cpu", warmup=False, **config))
+
+
+def _add(engine, request_id: str, **fields) -> None:
+    engine.add(request_id, resolve_request(engine.info, GenerationRequest(**fields)))
 
 
 def _finished(outputs) -> dict[str, RequestFinished]:
@@ -57,20 +63,31 @@ def test_requests_at_different_steps_share_one_forward_and_decode(pipelines, mon
     forwards = Counter(monkeypatch, pipeline.backend, "forward")
     encodes = Counter(monkeypatch, pipeline.backend, "encode")
     decodes = Counter(monkeypatch, pipeline.backend, "decode")
-    engine.add("a", GenerationParams(prompt="a red circle", n=2, height=32, width=32, num_inference_steps=3,
-                                     guidance_scale=2.0, seed=1))
+    _add(
+        engine, "a", prompt="a red circle", n=2, height=32, width=32, num_inference_steps=3, guidance_scale=2.0, seed=1
+    )
     engine.step()
     assert (len(forwards.calls), forwards.calls[0]) == (1, 2)  # a's two images: one forward
     assert len(encodes.calls) == 1  # one prompt, once for both images
     stats = engine.step()[-1]
     assert [(p.request_id, p.step, p.total) for p in stats.progress] == [("a", 2, 3)]
     # b arrives with a at step 2: b's true-CFG rows (cond + uncond) and a's rows share the next forwards.
-    engine.add("b", GenerationParams(prompt="a blue square", negative_prompt="blurry", height=32, width=32,
-                                     num_inference_steps=1, guidance_scale=3.5, true_cfg_scale=2.0, seed=2))
+    _add(
+        engine,
+        "b",
+        prompt="a blue square",
+        negative_prompt="blurry",
+        height=32,
+        width=32,
+        num_inference_steps=1,
+        guidance_scale=3.5,
+        true_cfg_scale=2.0,
+        seed=2,
+    )
     done = _finished(engine.step())
     assert forwards.calls[2] == 4  # 2 rows of a + cond and uncond of b, in ONE forward
     assert len(encodes.calls) == 3  # b's prompt and its negative prompt, once each
-    assert sorted(done) == ["a", "b"] and all(len(o.images) == n for o, n in ((done["a"], 2), (done["b"], 1)))
+    assert sorted(done) == ["a", "b"] and all(len(o.outputs) == n for o, n in ((done["a"], 2), (done["b"], 1)))
     assert decodes.calls == [3]  # both requests finished together: one VAE decode of 3 latents
     assert engine.stats().running == 0 and not engine.has_work()
 
@@ -79,10 +96,19 @@ def test_different_sizes_run_one_forward_per_size(pipelines, monkeypatch) -> Non
     pipeline = pipelines["qwen-image"]
     engine = _engine(pipeline)
     forwards = Counter(monkeypatch, pipeline.backend, "forward")
-    engine.add("small", GenerationParams(prompt="dog", height=16, width=16, num_inference_steps=2, seed=1))
-    engine.add("wide", GenerationParams(prompt="a cat", height=16, width=32, num_inference_steps=2, seed=1))
-    engine.add("small-2", GenerationParams(prompt="a red circle", height=16, width=16, num_inference_steps=2, seed=3,
-                                           negative_prompt="bad quality", guidance_scale=1.0))
+    _add(engine, "small", prompt="dog", height=16, width=16, num_inference_steps=2, seed=1)
+    _add(engine, "wide", prompt="a cat", height=16, width=32, num_inference_steps=2, seed=1)
+    _add(
+        engine,
+        "small-2",
+        prompt="a red circle",
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        seed=3,
+        negative_prompt="bad quality",
+        guidance_scale=1.0,
+    )
     done = _run(engine)
     assert sorted(done) == ["small", "small-2", "wide"] and all(o.error is None for o in done.values())
     # Per iteration: 16x16 (small: cond + default " " uncond; small-2: guidance 1 -> no CFG, one row) and 32x16.
@@ -92,48 +118,64 @@ def test_different_sizes_run_one_forward_per_size(pipelines, monkeypatch) -> Non
 def test_max_num_seqs_admits_fifo_and_the_rest_waits(pipelines) -> None:
     engine = _engine(pipelines["flux"], max_num_seqs=1)
     for name in ("first", "second"):
-        engine.add(name, GenerationParams(prompt="a cat", height=16, width=16, num_inference_steps=2, seed=0))
+        _add(engine, name, prompt="a cat", height=16, width=16, num_inference_steps=2, seed=0)
     stats = engine.step()[-1]
     assert (stats.running, stats.waiting) == (1, 1)
     assert sorted(_run(engine)) == ["first", "second"]
 
 
-@pytest.mark.parametrize(("params", "param"), [
-    (dict(height=17, width=16), "height"),
-    (dict(num_inference_steps=0), "num_inference_steps"),
-    (dict(guidance_scale=3.0, true_cfg_scale=5.0), "guidance_scale"),  # two CFG scales for Qwen-Image
-    (dict(n=11), "n"),
-])
-def test_a_bad_request_fails_alone_naming_the_field(pipelines, params, param) -> None:
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (dict(height=17, width=16), "size"),
+        (dict(num_inference_steps=0), "num_inference_steps"),
+        (dict(guidance_scale=3.0, true_cfg_scale=5.0), "guidance_scale"),  # two CFG scales for Qwen-Image
+        (dict(n=11), "n"),
+    ],
+)
+def test_a_bad_request_is_refused_naming_the_field_and_changes_nothing(pipelines, params, param) -> None:
     engine = _engine(pipelines["qwen-image"])
-    engine.add("good", GenerationParams(prompt="dog", height=16, width=16, num_inference_steps=2, seed=0))
-    engine.add("bad", GenerationParams(prompt="dog", **{"height": 16, "width": 16, **params}))
+    _add(engine, "good", prompt="dog", height=16, width=16, num_inference_steps=2, seed=0)
+    with pytest.raises(InvalidRequestError) as refused:
+        _add(engine, "bad", prompt="dog", **{"height": 16, "width": 16, **params})
+    assert refused.value.param == param
     done = _run(engine)
-    assert done["bad"].error is not None and done["bad"].error.param == param, done["bad"].error
-    assert done["good"].error is None and len(done["good"].images) == 1
+    assert sorted(done) == ["good"] and done["good"].error is None and len(done["good"].outputs) == 1
 
 
-def test_embedded_guidance_is_refused_where_the_family_has_none_only_via_true_cfg(pipelines) -> None:
-    from omni_server.family_engine import family_request_kwargs
-
-    info = pipelines["qwen-image"].info
-    kwargs = family_request_kwargs(info, GenerationParams(prompt="dog", guidance_scale=5.0))
-    assert (kwargs["guidance_scale"], kwargs["true_cfg_scale"], kwargs["negative_prompt"]) == (None, 5.0, " ")
-    flux = family_request_kwargs(pipelines["flux"].info, GenerationParams(prompt="dog", guidance_scale=5.0))
-    assert (flux["guidance_scale"], flux["true_cfg_scale"], flux["negative_prompt"]) == (5.0, None, None)
+def test_guidance_scale_is_each_familys_own_guidance(pipelines) -> None:
+    """Qwen-Image: its true-CFG scale, with the default negative prompt " "; FLUX.1-dev: the embedded guidance."""
+    (qwen,) = pipelines["qwen-image"].prepare(
+        resolve_request(pipelines["qwen-image"].info, GenerationRequest(prompt="dog", guidance_scale=5.0))
+    )
+    assert (qwen.guidance, qwen.true_cfg_scale, qwen.conditioning.negative_prompt, qwen.guided) == (
+        None,
+        5.0,
+        " ",
+        True,
+    )
+    (flux,) = pipelines["flux"].prepare(
+        resolve_request(pipelines["flux"].info, GenerationRequest(prompt="dog", guidance_scale=5.0))
+    )
+    assert (flux.guidance, flux.true_cfg_scale, flux.conditioning.negative_prompt, flux.guided) == (
+        5.0,
+        1.0,
+        None,
+        False,
+    )
 
 
 def test_abort_and_a_failing_forward_fail_only_their_request(pipelines, monkeypatch) -> None:
     engine = _engine(pipelines["flux"])
     monkeypatch.setenv("OMNI_SERVER_FAULT_PROMPT", "explode")
-    from omni_server.family_engine import fault_injection_hook
+    from omni_server.engine import fault_injection_hook
 
     engine._check_fault = fault_injection_hook()
     for name, prompt in (("ok", "a cat"), ("boom", "explode"), ("gone", "a dog")):
-        engine.add(name, GenerationParams(prompt=prompt, height=16, width=16, num_inference_steps=2, seed=0))
+        _add(engine, name, prompt=prompt, height=16, width=16, num_inference_steps=2, seed=0)
     engine.abort("gone")
     done = _run(engine)
     assert done["gone"].error is not None and done["gone"].error.kind == "aborted"
     assert done["boom"].error is not None and done["boom"].error.kind == "engine"
-    assert done["ok"].error is None and len(done["ok"].images) == 1
+    assert done["ok"].error is None and len(done["ok"].outputs) == 1
     assert not engine.has_work()

@@ -22,10 +22,32 @@ LONG = {"prompt": "a blue square", "num_inference_steps": 1000, "guidance_scale"
 @pytest.fixture(scope="module")
 def server(server_factory):
     handle = server_factory(
-        "--max-num-seqs", "1", "--max-queued-requests", "1", "--kv-cache-memory-bytes", "32M",
-        "--max-request-body-bytes", "4096", "--max-prompt-chars", "300", "--max-error-message-chars", "200",
-        "--max-header-count", "30", "--max-header-bytes", "4096", "--header-timeout", "1", "--body-timeout", "1",
-        "--request-timeout", "60", "--api-key", KEY, "--allowed-origins", ORIGIN,
+        "--max-num-seqs",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--kv-cache-memory-bytes",
+        "32M",
+        "--max-request-body-bytes",
+        "4096",
+        "--max-prompt-chars",
+        "300",
+        "--max-error-message-chars",
+        "200",
+        "--max-header-count",
+        "30",
+        "--max-header-bytes",
+        "4096",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--request-timeout",
+        "60",
+        "--api-key",
+        KEY,
+        "--allowed-origins",
+        ORIGIN,
     )
     yield handle
     handle.stop()
@@ -74,13 +96,17 @@ def test_api_key_is_required_on_v1_routes(server) -> None:
 
 
 def test_cors_preflight_answers_the_allowed_origin_only(server) -> None:
-    headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-               "Access-Control-Request-Headers": "authorization,content-type"}
+    headers = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     response = httpx.options(f"{server.url}/v1/images/generations", headers=headers, timeout=10)
     assert response.status_code == 200
     assert response.headers["access-control-allow-origin"] == ORIGIN
-    other = httpx.options(f"{server.url}/v1/images/generations", headers={**headers, "Origin": "http://evil.example"},
-                          timeout=10)
+    other = httpx.options(
+        f"{server.url}/v1/images/generations", headers={**headers, "Origin": "http://evil.example"}, timeout=10
+    )
     assert "access-control-allow-origin" not in other.headers
 
 
@@ -136,8 +162,9 @@ def test_seed_plus_n_never_leaves_the_valid_range(server) -> None:
 def test_header_count_and_size_are_bounded(server) -> None:
     many = {f"x-h{i}": "v" for i in range(40)}
     assert _error(httpx.get(f"{server.url}/health", headers=many, timeout=10), 431)["code"] == "too_many_headers"
-    status, body = _json_of(_raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * 8000 +
-                                 b"\r\n\r\n")[0])
+    status, body = _json_of(
+        _raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * 8000 + b"\r\n\r\n")[0]
+    )
     assert status == 431
     # A head still incomplete past the limit is refused by the protocol layer, also as JSON.
     status, body = _json_of(_raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * 8000)[0])
@@ -154,9 +181,15 @@ def test_slow_clients_are_cut_off(server) -> None:
     raw, took = _raw(server, b"GET /health HTTP/1.1\r\nHost: local")
     assert _json_of(raw)[0] == 408 and took < 5
     body = b'{"prompt": "a red circle"}'
-    raw, took = _raw(server, b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
-                     + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
+    raw, took = _raw(
+        server,
+        b"POST /v1/images/generations HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body[:5],
+    )
     status, error = _json_of(raw)
     assert status == 408 and error["error"]["code"] == "body_timeout" and took < 5
     raw, took = _raw(server, b"")
@@ -168,8 +201,11 @@ def test_a_full_queue_gets_429_with_retry_after(server, tools) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         held = [pool.submit(_post, server, LONG, timeout=4.0) for _ in range(2)]
         deadline = time.monotonic() + 30
-        while tools.metric(server.metrics(), "omni:num_requests_running") + \
-                tools.metric(server.metrics(), "omni:num_requests_waiting") < 2:
+        while (
+            tools.metric(server.metrics(), "omni:num_requests_running")
+            + tools.metric(server.metrics(), "omni:num_requests_waiting")
+            < 2
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         response = _post(server, {"prompt": "a red circle", "num_inference_steps": 1})

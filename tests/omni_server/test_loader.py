@@ -1,6 +1,6 @@
-"""The server's loader: models are built on the meta device, cached FP8 tensors are installed directly (a warm start
-reads the cache's bytes, never the checkpoint's tensor data), and the layerwise-offload handle stays on the pipeline.
-For the shipped DiT and for a real family."""
+"""Loading as the server does (flags -> omni_models.load): models are built on the meta device, cached FP8 tensors are
+installed directly (a warm start reads the cache's bytes, never the checkpoint's tensor data), and the layerwise-offload
+handle stays on the pipeline. For the shipped DiT and for a real family."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omni_server.config import build_config
-from omni_server.loader import load_pipeline
+from omni_server.engine import load_pipeline
 
 SHIPPED = Path(__import__("omni_models").__file__).parent / "weights" / "omni-shapes-tiny"
 

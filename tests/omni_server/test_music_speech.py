@@ -33,9 +33,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = (tmp_path_factory.mktemp("music-server") / "server.log").open("w+")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    process = subprocess.Popen([sys.executable, "-m", "omni_server", "serve", "omni-tones-tiny",
-                                "--device", "cpu", "--port", str(port)], env=env,
-                               stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "omni_server", "serve", "omni-tones-tiny", "--device", "cpu", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -72,32 +76,55 @@ def test_speech_returns_wav_and_matches_the_cli(server: str, tmp_path: Path) -> 
     assert other.content != response.content
     out = tmp_path / "song.wav"
     cli = subprocess.run(
-        [sys.executable, "-m", "omni_server", "generate", "--model", "omni-tones-tiny", "--device", "cpu",
-         "--lyrics", LYRICS.replace("\n", "\\n"), CAPTION, "--image-seed", "7", "--max-new-tokens", "48",
-         "-o", str(out)],
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "omni_server",
+            "generate",
+            "--model",
+            "omni-tones-tiny",
+            "--device",
+            "cpu",
+            "--lyrics",
+            LYRICS.replace("\n", "\\n"),
+            CAPTION,
+            "--image-seed",
+            "7",
+            "--max-new-tokens",
+            "48",
+            "-o",
+            str(out),
+        ],
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert out.read_bytes() == response.content
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"stream": True}, "stream"),
-    ({"temperature": 0.7}, "temperature"),
-    ({"top_p": 0.9}, "top_p"),
-    ({"top_k": 5}, "top_k"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
-    ({"voice": "alloy"}, "voice"),
-    ({"ref_audio": "x"}, "ref_audio"),
-    ({"language": "en"}, "language"),
-    ({"task_type": "tts"}, "task_type"),
-    ({"speed": 1.5}, "speed"),
-    ({"extra_params": {"cfg_role": "cond"}}, "extra_params.cfg_role"),
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"max_new_tokens": 100000}, "max_new_tokens"),
-    ({"instructions": "  "}, "instructions"),
-    ({"input": ""}, "input"),
-    ({"seed": -1}, "seed"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"top_p": 0.9}, "top_p"),
+        ({"top_k": 5}, "top_k"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"voice": "alloy"}, "voice"),
+        ({"ref_audio": "x"}, "ref_audio"),
+        ({"language": "en"}, "language"),
+        ({"task_type": "tts"}, "task_type"),
+        ({"speed": 1.5}, "speed"),
+        ({"extra_params": {"cfg_role": "cond"}}, "extra_params.cfg_role"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 100000}, "max_new_tokens"),
+        ({"instructions": "  "}, "instructions"),
+        ({"input": ""}, "input"),
+        ({"seed": -1}, "seed"),
+    ],
+)
 def test_refused_fields_get_a_400_naming_the_field(server: str, extra: dict, param: str) -> None:
     body = {"input": LYRICS, "instructions": CAPTION, **extra}
     response = httpx.post(f"{server}/v1/audio/speech", json=body, timeout=60)
@@ -108,8 +135,9 @@ def test_refused_fields_get_a_400_naming_the_field(server: str, extra: dict, par
 
 
 def test_max_new_tokens_error_states_the_cap(server: str) -> None:
-    response = httpx.post(f"{server}/v1/audio/speech",
-                          json={"input": LYRICS, "instructions": CAPTION, "max_new_tokens": 9001}, timeout=60)
+    response = httpx.post(
+        f"{server}/v1/audio/speech", json={"input": LYRICS, "instructions": CAPTION, "max_new_tokens": 9001}, timeout=60
+    )
     assert response.status_code == 400 and "160" in response.json()["error"]["message"]
 
 

@@ -16,8 +16,24 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real_models.py"
 
 
 def test_the_engine_phase_reports_throughput_and_latency_percentiles(tmp_path) -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--family", "flux", "--smoke", "--device", "cpu",
-                             "--phases", "engine", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--family",
+            "flux",
+            "--smoke",
+            "--device",
+            "cpu",
+            "--phases",
+            "engine",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     phase = json.loads((tmp_path / "real_models_flux.json").read_text())["phases"]["engine"]
     assert phase["requests"] == 4 and phase["throughput_ratio"] > 0

@@ -14,19 +14,37 @@ import httpx
 from PIL import Image
 
 from omni_server.config import build_config
-from omni_server.loader import load_pipeline
+from omni_server.engine import load_pipeline
 
 MODEL = os.environ.get("OMNI_SERVER_TEST_MODEL", "omni-shapes-tiny")
-REQUEST = {"prompt": "a green triangle at the top left on a white background", "num_inference_steps": 3,
-           "seed": 11, "guidance_scale": 4.0, "n": 2}
+REQUEST = {
+    "prompt": "a green triangle at the top left on a white background",
+    "num_inference_steps": 3,
+    "seed": 11,
+    "guidance_scale": 4.0,
+    "n": 2,
+}
 
 
 def test_fp8_offload_server_draws_what_the_pipeline_draws(server_factory, tmp_path) -> None:
     cache = tmp_path / "fp8"
-    flags = {"quantization": "fp8", "fp8_cache_dir": str(cache), "enable_layerwise_offload": True,
-             "offload_resident_layers": 1}
-    server = server_factory("--quantization", "fp8", "--fp8-cache-dir", str(cache), "--enable-layerwise-offload",
-                            "--offload-resident-layers", "1", "--kv-cache-memory-bytes", "16M")
+    flags = {
+        "quantization": "fp8",
+        "fp8_cache_dir": str(cache),
+        "enable_layerwise_offload": True,
+        "offload_resident_blocks": 1,
+    }
+    server = server_factory(
+        "--quantization",
+        "fp8",
+        "--fp8-cache-dir",
+        str(cache),
+        "--enable-layerwise-offload",
+        "--offload-resident-blocks",
+        "1",
+        "--kv-cache-memory-bytes",
+        "16M",
+    )
     response = httpx.post(f"{server.url}/v1/images/generations", json=REQUEST, timeout=120)
     assert response.status_code == 200, response.text
     served = [Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) for item in response.json()["data"]]

@@ -28,6 +28,8 @@ SHAPES = ("circle", "square", "triangle", "diamond")
 def prompt(i: int) -> str:
     """A distinct valid prompt per i (the shipped model has a closed vocabulary)."""
     return f"a {COLORS[i % 8]} {SHAPES[i // 8 % 4]} on a {COLORS[(i + 3) % 8]} background"
+
+
 BLOCK_SIZE = 16
 POOL_ROWS = 12  # the module's KV pool holds 12 full-length CFG rows: a guided n=10 request (20 rows) never fits
 
@@ -38,16 +40,23 @@ def _pool_bytes(rows: int) -> int:
     from diffusion_kv.sizing import kv_cache_bytes_per_block
 
     pipeline = omni_models.load(os.environ.get("OMNI_SERVER_TEST_MODEL", "omni-shapes-tiny"), device="cpu")
-    row_tokens = pipeline.prepare("a").rows[0].target_len + pipeline.info.max_prompt_tokens
+    (job,) = pipeline.prepare(omni_models.resolve_request(pipeline.info, omni_models.GenerationRequest(prompt="a")))
+    row_tokens = job.rows[0].target_len + pipeline.info.image.max_prompt_tokens
     blocks_per_row = -(-row_tokens // BLOCK_SIZE)
     return (rows * blocks_per_row + 1) * kv_cache_bytes_per_block(pipeline.kv_cache_specs(), BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    handle = server_factory("--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
-                            "--kv-cache-memory-bytes", str(_pool_bytes(POOL_ROWS)),
-                            env={"OMNI_SERVER_FAULT_PROMPT": FAULT_PROMPT})
+    handle = server_factory(
+        "--max-num-seqs",
+        "4",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--kv-cache-memory-bytes",
+        str(_pool_bytes(POOL_ROWS)),
+        env={"OMNI_SERVER_FAULT_PROMPT": FAULT_PROMPT},
+    )
     yield handle
     handle.stop()
 
@@ -88,8 +97,7 @@ def _kv_in_use(server, tools) -> float:
 def test_health_models_and_metrics(server, card, tools) -> None:
     # While the engine loaded, profiled and warmed up, /health answered 503 "engine_starting".
     assert server.starting_health, "never saw /health before the engine was ready"
-    assert all(seen["status"] == 503 and seen["error"]["code"] == "engine_starting"
-               for seen in server.starting_health)
+    assert all(seen["status"] == 503 and seen["error"]["code"] == "engine_starting" for seen in server.starting_health)
     assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok"}
     assert card["id"] == "omni-shapes-tiny"
     assert card["sizes"] and card["default_size"] in card["sizes"]
@@ -97,15 +105,29 @@ def test_health_models_and_metrics(server, card, tools) -> None:
     assert tools.metric(text, "omni:engine_ready") == 1.0
     assert tools.metric(text, "omni:kv_cache_blocks_total") > 0
     assert tools.metric(text, "omni:kv_cache_blocks_in_use") == 0.0
-    for name in ("omni:num_requests_running", "omni:num_requests_waiting",
-                 "omni:request_queue_time_seconds_bucket", "omni:denoise_step_latency_seconds_bucket",
-                 "omni:e2e_request_latency_seconds_bucket"):
+    for name in (
+        "omni:num_requests_running",
+        "omni:num_requests_waiting",
+        "omni:request_queue_time_seconds_bucket",
+        "omni:denoise_step_latency_seconds_bucket",
+        "omni:e2e_request_latency_seconds_bucket",
+    ):
         assert name in text
 
 
 def test_generate_one_image_of_the_default_size(server, card) -> None:
-    (image,) = _images(_post(server, {"prompt": "a red circle on a blue background", "num_inference_steps": 2,
-                                      "model": card["id"], "response_format": "b64_json", "seed": 1}))
+    (image,) = _images(
+        _post(
+            server,
+            {
+                "prompt": "a red circle on a blue background",
+                "num_inference_steps": 2,
+                "model": card["id"],
+                "response_format": "b64_json",
+                "seed": 1,
+            },
+        )
+    )
     width, height = (int(part) for part in card["default_size"].split("x"))
     assert image.size == (width, height)
     assert image.mode == "RGB"
@@ -121,15 +143,20 @@ def test_same_seed_gives_the_same_image_and_another_seed_does_not(server) -> Non
 
 
 def test_n_images_in_one_request(server) -> None:
-    images = _images(_post(server, {"prompt": "a yellow triangle", "n": 3, "num_inference_steps": 1, "seed": 3,
-                                    "guidance_scale": 1.0}))
+    images = _images(
+        _post(
+            server, {"prompt": "a yellow triangle", "n": 3, "num_inference_steps": 1, "seed": 3, "guidance_scale": 1.0}
+        )
+    )
     assert len(images) == 3
     assert len({image.tobytes() for image in images}) == 3  # one seed per image: seed, seed+1, seed+2
 
 
 def test_concurrent_clients_are_all_served(server) -> None:
-    bodies = [{"prompt": prompt(i), "num_inference_steps": 1, "seed": i, "n": 1 + i % 2, "guidance_scale": 1.0}
-              for i in range(6)]
+    bodies = [
+        {"prompt": prompt(i), "num_inference_steps": 1, "seed": i, "n": 1 + i % 2, "guidance_scale": 1.0}
+        for i in range(6)
+    ]
     with ThreadPoolExecutor(max_workers=6) as pool:
         responses = list(pool.map(lambda body: _post(server, body), bodies))
     for body, response in zip(bodies, responses, strict=True):
@@ -172,8 +199,12 @@ def test_a_prompt_the_model_rejects_names_the_prompt(server) -> None:
 
 
 def test_malformed_json_gets_400(server) -> None:
-    response = httpx.post(f"{server.url}/v1/images/generations", content=b"{not json",
-                          headers={"content-type": "application/json"}, timeout=10)
+    response = httpx.post(
+        f"{server.url}/v1/images/generations",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
 
@@ -191,9 +222,12 @@ def test_unknown_model_and_route_get_404(server) -> None:
 def test_a_request_the_pool_can_never_hold_fails_alone(server, tools) -> None:
     # 10 guided images need 20 rows; the pool (POOL_ROWS rows) cannot hold them even when empty.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        huge = pool.submit(_post, server, {"prompt": "a red circle", "n": 10, "guidance_scale": 4.0, "num_inference_steps": 1})
-        small = pool.submit(_post, server, {"prompt": "a white circle", "num_inference_steps": 1,
-                                            "guidance_scale": 1.0})
+        huge = pool.submit(
+            _post, server, {"prompt": "a red circle", "n": 10, "guidance_scale": 4.0, "num_inference_steps": 1}
+        )
+        small = pool.submit(
+            _post, server, {"prompt": "a white circle", "num_inference_steps": 1, "guidance_scale": 1.0}
+        )
         huge_response, small_response = huge.result(), small.result()
     assert huge_response.status_code == 400, huge_response.text
     error = huge_response.json()["error"]
@@ -208,8 +242,9 @@ def test_an_engine_failure_of_one_request_is_a_500_and_the_server_lives_on(serve
     error = response.json()["error"]
     assert error["code"] == "engine_error" and "injected engine fault" in error["message"]
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-    assert len(_images(_post(server, {"prompt": "a black square", "num_inference_steps": 1,
-                                      "guidance_scale": 1.0}))) == 1
+    assert (
+        len(_images(_post(server, {"prompt": "a black square", "num_inference_steps": 1, "guidance_scale": 1.0}))) == 1
+    )
 
 
 def test_client_disconnect_aborts_and_frees_the_blocks(server, tools) -> None:
@@ -218,8 +253,10 @@ def test_client_disconnect_aborts_and_frees_the_blocks(server, tools) -> None:
     body = b'{"prompt": "a purple circle", "num_inference_steps": 1000, "n": 2}'
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         _wait_for(lambda: _kv_in_use(server, tools) > baseline, 30, "the request to hold KV blocks")
     started = time.monotonic()
     _wait_for(lambda: _kv_in_use(server, tools) == baseline, 10, "the pool to return to its baseline")
@@ -245,9 +282,12 @@ def test_requests_wait_for_capacity_instead_of_failing(server) -> None:
 def test_200_sequential_requests_leak_no_blocks_and_no_memory(server, tools) -> None:
     engine = server.engine_pid()
     with server.client() as client:
+
         def one(i: int) -> None:
-            response = client.post("/v1/images/generations",
-                                   json={"prompt": prompt(i), "num_inference_steps": 1, "seed": i, "guidance_scale": 1.0})
+            response = client.post(
+                "/v1/images/generations",
+                json={"prompt": prompt(i), "num_inference_steps": 1, "seed": i, "guidance_scale": 1.0},
+            )
             assert response.status_code == 200, response.text
 
         for i in range(20):  # settle allocator caches before the baseline
@@ -317,14 +357,28 @@ def _violations(schema: dict, defs: dict):
 
     allowed = _allowed_types(schema, defs)
     by_type = {
-        "string": st.text(max_size=10), "integer": st.integers(-10**6, 10**6),
+        "string": st.text(max_size=10),
+        "integer": st.integers(-(10**6), 10**6),
         "number": st.floats(-1e6, 1e6, allow_nan=False).filter(lambda x: not x.is_integer()),
-        "null": st.none(), "boolean": st.booleans(), "array": st.lists(st.integers(), max_size=3),
+        "null": st.none(),
+        "boolean": st.booleans(),
+        "array": st.lists(st.integers(), max_size=3),
         "object": st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
     }
-    wrong = [strategy for kind, strategy in by_type.items()
-             if kind not in allowed and not (kind == "integer" and "number" in allowed)]
-    options = list(wrong)
+    wrong = [
+        strategy
+        for kind, strategy in by_type.items()
+        if kind not in allowed and not (kind == "integer" and "number" in allowed)
+    ]
+    # A const or enum field (``Literal[0]``, ``Literal[False]``) accepts exactly those values: never draw one of
+    # them (nor what compares equal to one, as False == 0) as a "wrong type".
+    accepted = [
+        v
+        for option in schema.get("anyOf", [schema])
+        for v in option.get("enum", [option.get("const")])
+        if "enum" in option or "const" in option
+    ]
+    options = [strategy.filter(lambda x, a=accepted: not any(x == v for v in a)) for strategy in wrong]
     for option in schema.get("anyOf", [schema]):
         if option.get("type") in ("integer", "number"):
             if "maximum" in option:
@@ -360,7 +414,7 @@ def test_schema_valid_bodies_never_get_a_server_error(server, request_schema) ->
     def check(body: dict, valid_prompt: int | None) -> None:
         # Keep each request cheap (at most 2 images of one step); often swap in prompts from the closed
         # vocabulary so that bodies get past the model's word check and through the engine.
-        body = {**body, "n": min(body.get("n", 1), 2), "num_inference_steps": 1}
+        body = {**body, "n": min(body.get("n") or 1, 2), "num_inference_steps": 1}
         if valid_prompt is not None:
             body["prompt"] = prompt(valid_prompt)
             body.pop("negative_prompt", None)
@@ -383,8 +437,11 @@ def test_schema_violations_get_400_naming_the_field(server, request_schema) -> N
     fields = sorted(schema["properties"])
 
     @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(st.sampled_from(fields).flatmap(
-        lambda name: st.tuples(st.just(name), _violations(schema["properties"][name], defs))))
+    @given(
+        st.sampled_from(fields).flatmap(
+            lambda name: st.tuples(st.just(name), _violations(schema["properties"][name], defs))
+        )
+    )
     def check(case) -> None:
         name, value = case
         body = {"prompt": "a red circle", "num_inference_steps": 1, name: value}
@@ -417,7 +474,10 @@ def test_playground_types_a_prompt_and_shows_an_image(server, browser) -> None:
     result = WebDriverWait(driver, 60).until(expected_conditions.visibility_of_element_located((By.ID, "result")))
     assert result.get_attribute("src").startswith("data:image/png;base64,")
     WebDriverWait(driver, 10).until(
-        lambda d: d.execute_script("const i = document.getElementById('result'); return i.complete && i.naturalWidth > 0;"))
+        lambda d: d.execute_script(
+            "const i = document.getElementById('result'); return i.complete && i.naturalWidth > 0;"
+        )
+    )
     assert driver.find_element(By.ID, "status").text == "Done (2/2 steps)."
     # Any other host is unresolvable for this browser (the rule is checked, not assumed).
     with pytest.raises(WebDriverException, match="ERR_NAME_NOT_RESOLVED"):

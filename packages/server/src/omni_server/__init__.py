@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_server.config import DEFAULT_MODEL, ConfigError, ServerConfig, build_config, load_config_file
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 if TYPE_CHECKING:
     from omni_server.api import create_app
@@ -25,5 +25,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'omni_server' has no attribute {name!r}")
 
 
-__all__ = ["DEFAULT_MODEL", "ConfigError", "ServerConfig", "build_config", "create_app", "load_config_file",
-           "__version__"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "ConfigError",
+    "ServerConfig",
+    "build_config",
+    "create_app",
+    "load_config_file",
+    "__version__",
+]

@@ -10,7 +10,8 @@ States (``state``): ``starting`` -> ``ready`` <-> ``stalled``; a ready engine th
 ``restarting`` (a new engine process is spawned after an exponential backoff, at most ``engine_restarts``
 times in a row; an engine that stays up for ``RESTART_BUDGET_RESET_S`` earns the budget back) and back to
 ``ready``, or to ``dead`` when the budget is spent; ``stopped`` after ``shutdown``. An engine that fails its
-first start is ``dead`` at once (the server exits with the reason).
+first start is ``dead`` at once. On the way to ``dead`` every pending request is answered first, then
+``on_dead(reason)`` is called once: the server exits non-zero with the reason, so a supervisor restarts it.
 
 One error channel: ``generate`` never raises. Every future it hands out is resolved exactly once with a
 ``RequestFinished``: the engine's answer, or an ``unavailable`` / ``timeout`` error made here (engine death,
@@ -33,6 +34,7 @@ from typing import Literal
 
 import msgspec
 
+from omni_models import ResolvedRequest
 from omni_server.config import ServerConfig
 from omni_server.protocol import (
     AbortRequest,
@@ -40,7 +42,6 @@ from omni_server.protocol import (
     EngineReady,
     EngineStartupFailed,
     EngineStats,
-    GenerationParams,
     Heartbeat,
     RequestError,
     RequestFinished,
@@ -70,8 +71,12 @@ class _EngineProcess:
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe(duplex=True)
         self.generation = generation
-        self.process = context.Process(target=run_engine_process, args=(child_conn, msgspec.msgpack.encode(config)),
-                                       name="omni-server-engine", daemon=True)
+        self.process = context.Process(
+            target=run_engine_process,
+            args=(child_conn, msgspec.msgpack.encode(config)),
+            name="omni-server-engine",
+            daemon=True,
+        )
         # The engine takes orders from this process only: it starts with SIGINT/SIGTERM blocked (the mask is
         # inherited through fork and exec) and ignores them before unblocking, so a Ctrl-C or a signal to the
         # process group never interrupts it, even while it imports.
@@ -108,11 +113,18 @@ class _EngineProcess:
 class EngineClient:
     """Spawns, talks to, watches, restarts and stops the engine process."""
 
-    def __init__(self, config: ServerConfig, *, on_stats: Callable[[EngineStats], None] | None = None,
-                 on_restart: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
         self._config = config
         self._on_stats = on_stats
         self._on_restart = on_restart
+        self._on_dead = on_dead
         self._ids = itertools.count()
         self._generations = itertools.count()
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestFinished]]] = {}
@@ -157,18 +169,28 @@ class EngineClient:
         """Why a request cannot be served now, as the one error type every answer carries."""
         state = self.state
         if state == "starting":
-            return RequestError(kind="unavailable", code="engine_starting",
-                                message="the engine is still starting (loading, profiling or warming up); retry shortly")
+            return RequestError(
+                kind="unavailable",
+                code="engine_starting",
+                message="the engine is still starting (loading, profiling or warming up); retry shortly",
+            )
         if state == "stalled":
-            return RequestError(kind="unavailable", code="engine_stalled",
-                                message=f"the engine has not answered for {self.heartbeat_age_s:.1f} s; retry shortly")
+            return RequestError(
+                kind="unavailable",
+                code="engine_stalled",
+                message=f"the engine has not answered for {self.heartbeat_age_s:.1f} s; retry shortly",
+            )
         if state == "restarting":
-            return RequestError(kind="unavailable", code="engine_restarting",
-                                message=f"the engine is restarting after it failed ({self.death_reason}); retry shortly")
+            return RequestError(
+                kind="unavailable",
+                code="engine_restarting",
+                message=f"the engine is restarting after it failed ({self.death_reason}); retry shortly",
+            )
         if state == "stopped":
             return RequestError(kind="unavailable", code="server_shutting_down", message="the server is shutting down")
-        return RequestError(kind="unavailable", code="engine_dead",
-                            message=f"the engine is not available: {self.death_reason}")
+        return RequestError(
+            kind="unavailable", code="engine_dead", message=f"the engine is not available: {self.death_reason}"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -196,7 +218,7 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------------
 
-    def generate(self, params: GenerationParams) -> tuple[str, asyncio.Future[RequestFinished]]:
+    def generate(self, request: ResolvedRequest) -> tuple[str, asyncio.Future[RequestFinished]]:
         """Submit one request; returns its id and a future resolved exactly once with its ``RequestFinished``."""
         loop = asyncio.get_running_loop()
         request_id = f"img-{next(self._ids)}-{time.monotonic_ns()}"
@@ -209,7 +231,7 @@ class EngineClient:
                 future.set_result(RequestFinished(request_id=request_id, error=self.unavailable_error()))
                 return request_id, future
             self._pending[request_id] = (loop, future)
-        engine.outbox.put(encode(AddRequest(request_id, params)))
+        engine.outbox.put(encode(AddRequest(request_id, request)))
         return request_id, future
 
     def abort(self, request_id: str) -> None:
@@ -301,8 +323,9 @@ class EngineClient:
                 self.ready_info = message
                 self._state = "ready"
             # The engine starts idle with an empty pool; stats arrive with its first iteration.
-            self._report_stats(EngineStats(running=0, waiting=0, kv_blocks_used=0,
-                                           kv_blocks_total=message.kv_blocks_total))
+            self._report_stats(
+                EngineStats(running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=message.kv_blocks_total)
+            )
             if restarted:
                 logger.warning("engine restarted (pid %s) and ready", message.pid)
             self._first_start.set()
@@ -324,20 +347,32 @@ class EngineClient:
                 self._consecutive_restarts = 0
             can_restart = not first_start_failed and self._consecutive_restarts < self._config.engine_restarts
             self._state = "restarting" if can_restart else "dead"
-            delay = min(RESTART_BACKOFF_S[0] * 2 ** self._consecutive_restarts, RESTART_BACKOFF_S[1])
+            if not can_restart and not first_start_failed:
+                self.death_reason = (
+                    f"{reason}; not restarted: --engine-restarts {self._config.engine_restarts} "
+                    f"allows no more restarts in a row ({self._consecutive_restarts} so far)"
+                )
+            delay = min(RESTART_BACKOFF_S[0] * 2**self._consecutive_restarts, RESTART_BACKOFF_S[1])
             if can_restart:
                 self._consecutive_restarts += 1
         logger.error("%s", reason)
         total = self.last_stats.kv_blocks_total if self.last_stats is not None else 0
         self._report_stats(EngineStats(running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=total))
-        self.fail_pending(RequestError(kind="unavailable", code="engine_dead",
-                                       message=f"the engine is not available: {reason}"))
+        self.fail_pending(
+            RequestError(kind="unavailable", code="engine_dead", message=f"the engine is not available: {reason}")
+        )
+        if not can_restart and self._on_dead is not None:
+            self._on_dead(self.death_reason)
         if first_start_failed:
             self._first_start.set()
             return
         if can_restart:
-            logger.warning("restarting the engine in %.1f s (restart %d of at most %d in a row)", delay,
-                           self._consecutive_restarts, self._config.engine_restarts)
+            logger.warning(
+                "restarting the engine in %.1f s (restart %d of at most %d in a row)",
+                delay,
+                self._consecutive_restarts,
+                self._config.engine_restarts,
+            )
             threading.Thread(target=self._restart_after, args=(delay,), name="engine-restart", daemon=True).start()
 
     def _restart_after(self, delay: float) -> None:

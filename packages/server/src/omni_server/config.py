@@ -1,11 +1,14 @@
-"""Server configuration: one typed struct built from defaults, a YAML file and CLI flags.
+"""Server configuration, declared once: one typed struct whose fields carry their constraints, help and CLI group.
 
-Precedence (highest first): explicit CLI flags > YAML file > the defaults below.
+Precedence (highest first): explicit CLI flags > YAML file > the defaults below. ``omni_server.cli`` generates
+every flag from these fields (vLLM's ``EngineArgs.add_cli_args`` pattern): the flag is the field name with dashes,
+its type, choices, help and group come from the field's annotation, so a setting is written in one place.
 
-Invariant: a ``ServerConfig`` that exists is valid. Every field is checked at
-construction, and every combination that cannot work fails there with a
-``ConfigError`` whose message names the field(s) and says what to change, so a
-bad start-up never gets as far as loading weights.
+Invariant: a ``ServerConfig`` that exists is valid on its own. Every field's constraint (``msgspec.Meta``: bounds,
+patterns, choices) is checked at construction, and so are the rules that belong to the server (what a flag needs
+beside it). Rules that belong to a library (an offload or FP8 combination, what a model can do) are checked with
+that library by ``omni_server.startup.check_startup`` before anything loads. Every failure is a ``ConfigError``
+whose message names the flag and says what to change.
 """
 
 from __future__ import annotations
@@ -13,107 +16,273 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 DEFAULT_MODEL = "omni-shapes-tiny"
-
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+BOTH = ("serve", "generate")
+SERVE = ("serve",)
 
 
 class ConfigError(ValueError):
     """An invalid setting or combination of settings; the message says what to change."""
 
 
-_DECIMAL_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_human_int(value: str | int) -> int:
-    """Parse ``"512M"`` (binary, 2**20) or ``"1.5g"`` (decimal, 10**9) like ``vllm serve`` does."""
-    if isinstance(value, bool):
-        raise ConfigError(f"expected an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    text = str(value).strip()
-    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([kKmMgGtT]?)", text)
-    if match is None:
-        raise ConfigError(
-            f"expected an integer like 4096, 512M (binary) or 1.5g (decimal), got {value!r}"
-        )
-    number, suffix = match.groups()
-    if not suffix:
-        if "." in number:
-            raise ConfigError(f"expected a whole number, got {value!r}")
-        return int(number)
-    if suffix in _BINARY_SUFFIX:
-        if "." in number:
-            raise ConfigError(
-                f"decimals are not allowed with binary suffix {suffix!r} in {value!r}; "
-                f"use {number}{suffix.lower()} for a decimal multiple"
-            )
-        return int(number) * _BINARY_SUFFIX[suffix]
-    return int(float(number) * _DECIMAL_SUFFIX[suffix])
+def setting(
+    help: str,
+    *,
+    group: str,
+    commands: tuple[str, ...] = SERVE,
+    parse: str | None = None,
+    metavar: str | None = None,
+    expected: str | None = None,
+    **constraints: Any,
+) -> Meta:
+    """A field's declaration: its help text, its ``--help`` group, the commands that take it, how the CLI parses
+    it (``parse``: ``human_int`` for ``512M``-style sizes, ``list`` for JSON or comma lists), its constraints, and
+    ``expected``: what a message says the value must be when a ``pattern`` does not match."""
+    extra: dict[str, Any] = {"group": group, "commands": commands}
+    if expected is not None:
+        extra["expected"] = expected
+    if parse is not None:
+        extra["parse"] = parse
+    if metavar is not None:
+        extra["metavar"] = metavar
+    return Meta(description=help, extra=extra, **constraints)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the API process and the engine process need to start.
+    """Everything the API process and the engine process need to start (a msgspec struct, so it travels to the
+    engine process and the worker ranks as bytes)."""
 
-    It is a msgspec struct so the API process can hand it to the engine process as bytes.
-    """
-
-    # model
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
-    device: str = "auto"
-    dtype: Dtype = "auto"
-    seed: int = 0
-    # scheduling and KV cache
-    max_num_seqs: int = 16
-    max_rows_per_step: int = 8  # CFG rows per forward (omni_server.scheduling_policy); 0: no limit
-    batch_invariant: bool = False  # one job per forward: batched images bit-equal to single-request ones
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    # weights
-    enable_layerwise_offload: bool = False
-    offload_resident_layers: int = 0
-    quantization: Literal["fp8"] | None = None
-    fp8_cache_dir: str | None = None
-    # several GPUs for one request (omni_server.workers): world size = cfg_parallel_size x sequence_parallel_size
-    cfg_parallel_size: int = 1
-    sequence_parallel_size: int = 1
-    offload_allgather: bool = False
-    # frontend
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine_start_timeout_s: float = 600.0
-    warmup: bool = True
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # bounds on what a client controls (see omni_server.http_guard and the README's "Limits")
-    max_request_body_bytes: int = 2**20
-    max_prompt_chars: int = 2000
-    max_error_message_chars: int = 2000
-    max_header_bytes: int = 16 * 2**10
-    max_header_count: int = 100
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_queued_requests: int = 32
-    request_timeout_s: float = 600.0  # 0 disables
-    shutdown_timeout_s: float = 30.0
-    # supervision of the engine process
-    engine_restarts: int = 5
-    engine_heartbeat_timeout_s: float = 0.5
-    # HTTP security
-    api_key: str | None = None
-    allowed_origins: list[str] = []
-    allowed_hosts: list[str] | None = None  # None: loopback names when bound to loopback, else any host
+    # ModelConfig
+    model: Annotated[
+        str,
+        setting(
+            "model name or directory (default: the shipped omni-shapes-tiny)",
+            group="ModelConfig",
+            commands=BOTH,
+            min_length=1,
+        ),
+    ] = DEFAULT_MODEL
+    device: Annotated[
+        str,
+        setting(
+            "auto, cpu, cuda or cuda:N",
+            group="ModelConfig",
+            commands=BOTH,
+            pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+            expected="'auto', 'cpu', 'cuda' or 'cuda:N'",
+        ),
+    ] = "auto"
+    dtype: Annotated[
+        Dtype,
+        setting("weight and activation dtype; auto: bf16 on CUDA, fp32 on CPU", group="ModelConfig", commands=BOTH),
+    ] = "auto"
+    # OffloadConfig (dlo_offload)
+    enable_layerwise_offload: Annotated[
+        bool,
+        setting(
+            "keep the repeated blocks in host memory and stream each to the device just in time",
+            group="OffloadConfig",
+            commands=BOTH,
+        ),
+    ] = False
+    offload_resident_blocks: Annotated[
+        int,
+        setting(
+            "leading blocks that stay on the device under layerwise offload", group="OffloadConfig", commands=BOTH, ge=0
+        ),
+    ] = 0
+    offload_allgather: Annotated[
+        bool,
+        setting(
+            "shard the streamed blocks across the sequence-parallel ranks' host memory and AllGather each block "
+            "just in time (needs --enable-layerwise-offload and --sequence-parallel-size >= 2)",
+            group="OffloadConfig",
+            commands=BOTH,
+        ),
+    ] = False
+    # QuantizationConfig (fp8_cache)
+    quantization: Annotated[
+        Literal["fp8"] | None, setting("quantize eligible linears to FP8", group="QuantizationConfig", commands=BOTH)
+    ] = None
+    fp8_cache_dir: Annotated[
+        str | None,
+        setting(
+            "reuse FP8 weights quantized by an earlier start (needs --quantization fp8)",
+            group="QuantizationConfig",
+            commands=BOTH,
+            metavar="DIR",
+        ),
+    ] = None
+    # ParallelConfig: world size = cfg_parallel_size x sequence_parallel_size, one process per GPU
+    cfg_parallel_size: Annotated[
+        Literal[1, 2],
+        setting("run the cond and uncond rows of guided requests on two ranks", group="ParallelConfig", commands=BOTH),
+    ] = 1
+    sequence_parallel_size: Annotated[
+        int,
+        setting(
+            "Ulysses sequence parallelism: split each forward's tokens over N ranks (all-to-all over heads; N must "
+            "divide the model's heads)",
+            group="ParallelConfig",
+            commands=BOTH,
+            metavar="N",
+            ge=1,
+        ),
+    ] = 1
+    # RuntimeConfig
+    seed: Annotated[
+        int,
+        setting(
+            "serve: the seed of the stream requests without a seed draw from; generate: the request's seed when --image-seed is not given",
+            group="RuntimeConfig",
+            commands=BOTH,
+            ge=0,
+        ),
+    ] = 0
+    log_level: Annotated[LogLevel, setting("how much the server logs", group="RuntimeConfig", commands=BOTH)] = "info"
+    # CacheConfig: the paged KV pool
+    block_size: Annotated[int, setting("tokens per KV block (a power of two)", group="CacheConfig", ge=1)] = 16
+    kv_cache_memory_bytes: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        setting(
+            "explicit KV pool budget, e.g. 512M or 2G; 0 or unset sizes it from --gpu-memory-utilization after "
+            "profiling",
+            group="CacheConfig",
+            parse="human_int",
+            metavar="BYTES",
+        ),
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float, setting("fraction of device memory the engine may use in total", group="CacheConfig", gt=0.0, le=1.0)
+    ] = 0.9
+    max_model_len: Annotated[
+        Annotated[int, Meta(ge=-1)] | None,
+        setting(
+            "longest CFG row (prompt + image tokens) admitted; -1 or unset: the model's longest row (longest prompt + "
+            "largest image)",
+            group="CacheConfig",
+            parse="human_int",
+            metavar="TOKENS",
+        ),
+    ] = None
+    # SchedulerConfig
+    max_num_seqs: Annotated[
+        int, setting("most requests running at once (their rows share each forward)", group="SchedulerConfig", ge=1)
+    ] = 16
+    max_rows_per_step: Annotated[
+        int,
+        setting(
+            "CFG rows per forward; jobs with the fewest steps left go first, so a short request is not held behind "
+            "long ones; 0: every running row in every forward",
+            group="SchedulerConfig",
+            ge=0,
+        ),
+    ] = 8
+    batch_invariant: Annotated[
+        bool,
+        setting(
+            "run each image's rows in a forward of their own, so an image of an n-image or concurrent request is "
+            "bit-equal to the same image requested alone (slower: no batching across images)",
+            group="SchedulerConfig",
+        ),
+    ] = False
+    # Frontend
+    served_model_name: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        setting("the name clients pass as `model` (default: the model argument)", group="Frontend"),
+    ] = None
+    host: Annotated[str, setting("the address to listen on", group="Frontend", min_length=1)] = "127.0.0.1"
+    port: Annotated[int, setting("the port to listen on (0: any free port)", group="Frontend", ge=0, le=65535)] = 8000
+    engine_start_timeout_s: Annotated[
+        float, setting("give up if the engine is not ready by then", group="Frontend", metavar="SECONDS", gt=0.0)
+    ] = 600.0
+    warmup: Annotated[bool, setting("run one request through the engine before reporting ready", group="Frontend")] = (
+        True
+    )
+    # Limits: everything a client controls is bounded, each answered in the OpenAI error shape
+    max_request_body_bytes: Annotated[
+        int, setting("larger bodies get 413, e.g. 1M", group="Limits", parse="human_int", metavar="BYTES", ge=1)
+    ] = 2**20
+    max_prompt_chars: Annotated[int, setting("longer prompts get 400 before tokenizing", group="Limits", ge=1)] = 2000
+    max_error_message_chars: Annotated[int, setting("error messages are cut to this length", group="Limits", ge=1)] = (
+        2000
+    )
+    max_header_bytes: Annotated[
+        int,
+        setting("request line + headers; larger gets 431", group="Limits", parse="human_int", metavar="BYTES", ge=1),
+    ] = 16 * 2**10
+    max_header_count: Annotated[int, setting("more headers get 431", group="Limits", ge=1)] = 100
+    header_timeout_s: Annotated[
+        float, setting("the request head must arrive within this, else 408", group="Limits", metavar="SECONDS", gt=0.0)
+    ] = 10.0
+    body_timeout_s: Annotated[
+        float, setting("the body must arrive within this, else 408", group="Limits", metavar="SECONDS", gt=0.0)
+    ] = 30.0
+    max_queued_requests: Annotated[
+        int, setting("requests accepted beyond --max-num-seqs; more get 429 with Retry-After", group="Limits", ge=0)
+    ] = 32
+    request_timeout_s: Annotated[
+        float,
+        setting(
+            "a request still unfinished then is aborted with 504; 0: none", group="Limits", metavar="SECONDS", ge=0.0
+        ),
+    ] = 600.0
+    shutdown_timeout_s: Annotated[
+        float,
+        setting(
+            "on SIGTERM/SIGINT, in-flight requests may finish within this; the rest get 503",
+            group="Limits",
+            metavar="SECONDS",
+            ge=0.0,
+        ),
+    ] = 30.0
+    # Supervision of the engine process
+    engine_restarts: Annotated[
+        int, setting("restart a dead engine up to N times in a row, with backoff; 0: never", group="Supervision", ge=0)
+    ] = 5
+    engine_heartbeat_timeout_s: Annotated[
+        float,
+        setting("an engine silent this long is stalled: /health 503", group="Supervision", metavar="SECONDS", gt=0.0),
+    ] = 0.5
+    # Security: who may call the server
+    api_key: Annotated[
+        Annotated[str, Meta(pattern=r"\S")] | None,
+        setting(
+            "require 'Authorization: Bearer KEY' on /v1/* (401 otherwise)",
+            group="Security",
+            expected="a key that is not blank (drop --api-key to serve without one)",
+        ),
+    ] = None
+    allowed_origins: Annotated[
+        list[str],
+        setting(
+            "CORS origins, a JSON list or comma-separated (default: none, no CORS headers)",
+            group="Security",
+            parse="list",
+            metavar="LIST",
+        ),
+    ] = []
+    allowed_hosts: Annotated[
+        list[str] | None,
+        setting(
+            "Host header values the server answers to, '*' for any (default: the loopback names when bound to a "
+            "loopback address, else any)",
+            group="Security",
+            parse="list",
+            metavar="LIST",
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
-        _validate(self)
-        _validate_limits(self)
+        check_constraints(self)
+        _check_server_rules(self)
 
     @property
     def model_name(self) -> str:
@@ -134,87 +303,108 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _validate(cfg: ServerConfig) -> None:
-    if not cfg.model:
-        raise ConfigError("model must be a model name or a directory; got an empty string")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {cfg.device!r}")
-    if cfg.max_num_seqs < 1:
-        raise ConfigError(f"max_num_seqs must be >= 1; got {cfg.max_num_seqs}")
-    if cfg.max_rows_per_step < 0:
-        raise ConfigError(f"max_rows_per_step must be >= 0 (0: no limit); got {cfg.max_rows_per_step}")
-    if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
-        raise ConfigError(f"block_size must be a positive power of two; got {cfg.block_size}")
-    if cfg.kv_cache_memory_bytes is not None and cfg.kv_cache_memory_bytes < 0:
-        raise ConfigError(
-            "kv_cache_memory_bytes must be non-negative (0 or unset sizes the pool automatically); "
-            f"got {cfg.kv_cache_memory_bytes}"
-        )
-    if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
-        raise ConfigError(f"gpu_memory_utilization must be in (0, 1]; got {cfg.gpu_memory_utilization}")
-    if cfg.max_model_len is not None and cfg.max_model_len != -1 and cfg.max_model_len < 1:
-        raise ConfigError(f"max_model_len must be positive or -1 (auto); got {cfg.max_model_len}")
-    if cfg.offload_resident_layers < 0:
-        raise ConfigError(f"offload_resident_layers must be >= 0; got {cfg.offload_resident_layers}")
-    if cfg.offload_resident_layers and not cfg.enable_layerwise_offload:
-        raise ConfigError(
-            "offload_resident_layers only applies to layerwise offload; "
-            "add --enable-layerwise-offload or drop --offload-resident-layers"
-        )
-    if cfg.cfg_parallel_size not in (1, 2):
-        raise ConfigError(
-            f"cfg_parallel_size must be 1 or 2 (one rank per CFG branch); got {cfg.cfg_parallel_size} "
-            "(--cfg-parallel-size)"
-        )
-    if cfg.sequence_parallel_size < 1:
-        raise ConfigError(f"sequence_parallel_size must be >= 1; got {cfg.sequence_parallel_size} "
-                          "(--sequence-parallel-size)")
-    if cfg.offload_allgather and not cfg.enable_layerwise_offload:
-        raise ConfigError("--offload-allgather shards the offloaded block weights; add --enable-layerwise-offload "
-                          "or drop --offload-allgather")
-    if cfg.offload_allgather and cfg.sequence_parallel_size < 2:
-        raise ConfigError(
-            "--offload-allgather shards block weights over the sequence-parallel group (the DLO group is DP, else "
-            "SP; CFG ranks never share weights), so it needs --sequence-parallel-size >= 2"
-        )
-    if cfg.offload_allgather and cfg.offload_resident_layers:
-        raise ConfigError("--offload-allgather streams every block from the ranks' shards; drop "
-                          "--offload-resident-layers (resident blocks need rank-local offload)")
-    if cfg.fp8_cache_dir is not None and cfg.quantization != "fp8":
-        raise ConfigError(
-            "fp8_cache_dir caches FP8 weights, so it needs --quantization fp8; "
-            "add --quantization fp8 or drop --fp8-cache-dir"
-        )
-    if not 0 <= cfg.port <= 65535:
-        raise ConfigError(f"port must be in [0, 65535]; got {cfg.port}")
-    if cfg.engine_start_timeout_s <= 0:
-        raise ConfigError(f"engine_start_timeout_s must be positive; got {cfg.engine_start_timeout_s}")
-
-
-def _validate_limits(cfg: ServerConfig) -> None:
-    for name in ("max_request_body_bytes", "max_prompt_chars", "max_error_message_chars", "max_header_bytes",
-                 "max_header_count"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be >= 1; got {getattr(cfg, name)}")
-    for name in ("header_timeout_s", "body_timeout_s", "engine_heartbeat_timeout_s"):
-        if not getattr(cfg, name) > 0:
-            raise ConfigError(f"{name} must be positive; got {getattr(cfg, name)}")
-    for name in ("request_timeout_s", "shutdown_timeout_s"):
-        if not getattr(cfg, name) >= 0:
-            raise ConfigError(f"{name} must be >= 0 (0: {'no timeout' if name == 'request_timeout_s' else 'no drain'}); "
-                              f"got {getattr(cfg, name)}")
-    if cfg.max_queued_requests < 0:
-        raise ConfigError(f"max_queued_requests must be >= 0; got {cfg.max_queued_requests}")
-    if cfg.engine_restarts < 0:
-        raise ConfigError(f"engine_restarts must be >= 0 (0 disables restarts); got {cfg.engine_restarts}")
-    if cfg.api_key is not None and not cfg.api_key.strip():
-        raise ConfigError("api_key must not be empty; drop --api-key to serve without one")
-
-
 FIELD_NAMES: tuple[str, ...] = ServerConfig.__struct_fields__
-_HUMAN_INT_FIELDS = frozenset({"kv_cache_memory_bytes", "max_model_len", "max_request_body_bytes",
-                               "max_header_bytes"})
-_LIST_FIELDS = frozenset({"allowed_origins", "allowed_hosts"})
+FIELDS: dict[str, msgspec.inspect.Field] = {f.name: f for f in msgspec.inspect.type_info(ServerConfig).fields}
+
+
+def flag(name: str) -> str:
+    """The CLI flag of a field (``max_num_seqs`` -> ``--max-num-seqs``; the ``_s`` of seconds is dropped)."""
+    return "--" + re.sub(r"_s$", "", name).replace("_", "-")
+
+
+def declared(name: str) -> tuple[msgspec.inspect.Type, dict[str, Any], str]:
+    """(the field's type without its metadata, its declaration's ``extra``, its help text)."""
+    info = FIELDS[name].type
+    extra: dict[str, Any] = {}
+    help_text = ""
+    while isinstance(info, msgspec.inspect.Metadata):
+        extra = {**extra, **(info.extra or {})}
+        help_text = (info.extra_json_schema or {}).get("description", help_text)
+        info = info.type
+    return info, extra, help_text
+
+
+_BOUNDS = (
+    ("ge", ">=", lambda v, b: v >= b),
+    ("gt", ">", lambda v, b: v > b),
+    ("le", "<=", lambda v, b: v <= b),
+    ("lt", "<", lambda v, b: v < b),
+)
+
+
+def _constraint_problem(value: Any, info: msgspec.inspect.Type, expected: str | None = None) -> str | None:
+    if isinstance(info, msgspec.inspect.UnionType):
+        if value is None and any(isinstance(t, msgspec.inspect.NoneType) for t in info.types):
+            return None
+        info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    if isinstance(info, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        for attribute, sign, holds in _BOUNDS:
+            bound = getattr(info, attribute)
+            if bound is not None and not holds(value, bound):
+                return f"must be {sign} {bound}"
+    if isinstance(info, msgspec.inspect.StrType):
+        if info.min_length is not None and len(value) < info.min_length:
+            return "must not be empty"
+        if info.pattern is not None and not re.search(info.pattern, value):
+            return f"must be {expected}" if expected else f"must match {info.pattern}"
+    if isinstance(info, msgspec.inspect.LiteralType) and value not in info.values:
+        return f"must be one of {', '.join(map(repr, info.values))}"
+    return None
+
+
+def check_constraints(config: ServerConfig) -> None:
+    """Every field's declared constraint, for configs built directly (``build_config`` decodes through msgspec,
+    which checks them too); ``ConfigError`` naming the field and its flag."""
+    for name in FIELD_NAMES:
+        value = getattr(config, name)
+        info, extra, _ = declared(name)
+        problem = _constraint_problem(value, info, extra.get("expected"))
+        if problem is not None:
+            raise ConfigError(f"{name} {problem}; got {value!r} ({flag(name)})")
+
+
+def _check_server_rules(config: ServerConfig) -> None:
+    """What a flag needs beside it, where the server owns the rule."""
+    if config.block_size & (config.block_size - 1):
+        raise ConfigError(f"block_size must be a positive power of two; got {config.block_size} (--block-size)")
+    if config.max_model_len == 0:
+        raise ConfigError("max_model_len must be positive or -1 (auto); got 0 (--max-model-len)")
+    if config.offload_allgather and config.sequence_parallel_size < 2:
+        raise ConfigError(
+            "--offload-allgather shards block weights over the sequence-parallel group (CFG ranks never share "
+            "weights), so it needs --sequence-parallel-size >= 2"
+        )
+
+
+_DECIMAL_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(value: str | int) -> int:
+    """Parse ``"512M"`` (binary, 2**20) or ``"1.5g"`` (decimal, 10**9) like ``vllm serve`` does."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([kKmMgGtT]?)", text)
+    if match is None:
+        raise ConfigError(f"expected an integer like 4096, 512M (binary) or 1.5g (decimal), got {value!r}")
+    number, suffix = match.groups()
+    if not suffix:
+        if "." in number:
+            raise ConfigError(f"expected a whole number, got {value!r}")
+        return int(number)
+    if suffix in _BINARY_SUFFIX:
+        if "." in number:
+            raise ConfigError(
+                f"decimals are not allowed with binary suffix {suffix!r} in {value!r}; "
+                f"use {number}{suffix.lower()} for a decimal multiple"
+            )
+        return int(number) * _BINARY_SUFFIX[suffix]
+    return int(float(number) * _DECIMAL_SUFFIX[suffix])
 
 
 def parse_list(value: str | list[str]) -> list[str]:
@@ -228,40 +418,56 @@ def parse_list(value: str | list[str]) -> list[str]:
         try:
             items = json.loads(text)
         except ValueError as exc:
-            raise ConfigError(f"expected a JSON list of strings or a comma-separated list, got {value!r}: {exc}") from None
+            raise ConfigError(
+                f"expected a JSON list of strings or a comma-separated list, got {value!r}: {exc}"
+            ) from None
         if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
             raise ConfigError(f"expected a JSON list of strings, got {value!r}")
         return items
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+PARSERS = {"human_int": parse_human_int, "list": parse_list}
+
+
 def build_config(file_values: Mapping[str, Any] | None = None, **overrides: Any) -> ServerConfig:
     """Merge YAML values and explicit overrides (overrides win) into a validated config.
 
-    Unknown keys are rejected by name, with the list of valid ones.
+    Unknown keys are rejected by name, with the list of valid ones; ``512M``-style sizes and list settings are
+    parsed as their fields declare.
     """
     merged: dict[str, Any] = {}
     for source, values in (("config file", file_values or {}), ("arguments", overrides)):
         unknown = sorted(set(values) - set(FIELD_NAMES))
         if unknown:
             raise ConfigError(
-                f"unknown setting(s) in {source}: {', '.join(unknown)}; valid settings are: "
-                + ", ".join(FIELD_NAMES)
+                f"unknown setting(s) in {source}: {', '.join(unknown)}; valid settings are: " + ", ".join(FIELD_NAMES)
             )
         merged.update(values)
-    for fields, parse in ((_HUMAN_INT_FIELDS, parse_human_int), (_LIST_FIELDS, parse_list)):
-        for name in fields & merged.keys():
-            if merged[name] is not None:
-                try:
-                    merged[name] = parse(merged[name])
-                except ConfigError as exc:
-                    raise ConfigError(f"{name}: {exc}") from None
+    for name, value in list(merged.items()):
+        parse = declared(name)[1].get("parse")
+        if parse is not None and value is not None:
+            try:
+                merged[name] = PARSERS[parse](value)
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
     try:
         return msgspec.convert(merged, ServerConfig)
     except msgspec.ValidationError as exc:
-        if isinstance(exc.__context__, ConfigError):  # raised by _validate inside msgspec
+        if isinstance(exc.__context__, ConfigError):  # raised by __post_init__ inside msgspec
             raise exc.__context__ from None
-        # msgspec names the field as a path, e.g. "Expected `int`, got `str` - at `$.port`".
+        # msgspec names the field as a path, e.g. "Expected `int` >= 1 - at `$.max_num_seqs`": say it in words
+        # when it is a declared constraint, else pass msgspec's message on.
+        match = re.search(r"at `\$\.(\w+)`", str(exc))
+        if match and match.group(1) in merged:
+            name = match.group(1)
+            try:
+                info, extra, _ = declared(name)
+                problem = _constraint_problem(merged[name], info, extra.get("expected"))
+            except TypeError:  # the value's type is wrong: msgspec's message says which type it wants
+                problem = None
+            if problem is not None:
+                raise ConfigError(f"{name} {problem}; got {merged[name]!r} ({flag(name)})") from None
         raise ConfigError(f"invalid setting: {exc}") from None
 
 

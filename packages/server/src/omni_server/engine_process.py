@@ -99,9 +99,7 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
     config = msgspec.msgpack.decode(config_bytes, type=ServerConfig)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
-    )
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
     threads = configure_intra_op_threads(os.environ)
     logger.info("torch intra-op threads: %d (%s)", threads.count, threads.source)
     from omni_server.engine import build_engine
@@ -134,7 +132,7 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
                 raise _ParentGone from None
             timeout = 0.0
             if isinstance(message, AddRequest):
-                engine.add(message.request_id, message.params)
+                engine.add(message.request_id, message.request)
             elif isinstance(message, AbortRequest):
                 engine.abort(message.request_id)
             elif isinstance(message, Shutdown):

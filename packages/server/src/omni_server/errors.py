@@ -3,13 +3,23 @@
 Used by the routes (``api``), the ASGI guard in front of them (``http_guard``) and the HTTP/1.1 protocol
 below both (``http_protocol``), so even a malformed request line gets JSON, never ``text/plain``.
 Messages are capped (``--max-error-message-chars``): an error never echoes a client's megabytes back.
+
+Every error carries ``x-should-retry`` (the header the official OpenAI SDKs obey before their own rule, which
+retries every 408, 409, 429 and 5xx): ``true`` only for a state that passes by itself (``RETRYABLE_CODES``: the
+engine starting, restarting or stalled, the server draining, the queue full, a slow client cut off), ``false``
+for everything else, where the same request would fail again or repeat work already lost (a 400, 413 or 415,
+a 504 after ``--request-timeout``, a 500 the engine raised, an engine that died).
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from omni_server.protocol import ErrorKind, RequestError
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
 
 # kind -> (HTTP status, OpenAI error type, default code)
 ERROR_STATUS: dict[ErrorKind, tuple[int, str, str]] = {
@@ -21,17 +31,37 @@ ERROR_STATUS: dict[ErrorKind, tuple[int, str, str]] = {
     "timeout": (504, "timeout_error", "request_timeout"),
 }
 DEFAULT_MAX_MESSAGE_CHARS = 2000
+RETRYABLE_CODES = frozenset(
+    {
+        "engine_starting",
+        "engine_restarting",
+        "engine_stalled",
+        "server_shutting_down",
+        "queue_full",
+        "header_timeout",
+        "body_timeout",
+    }
+)
 
 
 class APIError(Exception):
-    """An error answered in the OpenAI shape; ``headers`` go on the response (``Retry-After``, ...); ``close``
-    ends the connection after it (the request's body was not read)."""
+    """An error answered in the OpenAI shape; ``headers`` go on the response (``Retry-After``, ...; always
+    ``x-should-retry``, from ``code``); ``close`` ends the connection after it (the request's body was not read)."""
 
-    def __init__(self, status: int, message: str, *, type: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, close: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        close: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
+        self.headers = {"x-should-retry": "true" if code in RETRYABLE_CODES else "false", **(headers or {})}
         self.close = close
 
     @classmethod
@@ -52,8 +82,12 @@ def cap_message(message: str, max_chars: int = DEFAULT_MAX_MESSAGE_CHARS) -> str
 
 
 def error_body(error: APIError, max_chars: int = DEFAULT_MAX_MESSAGE_CHARS) -> bytes:
-    detail = {"message": cap_message(error.message, max_chars), "type": error.type, "param": error.param,
-              "code": error.code}
+    detail = {
+        "message": cap_message(error.message, max_chars),
+        "type": error.type,
+        "param": error.param,
+        "code": error.code,
+    }
     return json.dumps({"error": detail}).encode()
 
 
@@ -64,3 +98,15 @@ def error_headers(error: APIError, body: bytes) -> list[tuple[bytes, bytes]]:
     if error.close:
         headers.append((b"connection", b"close"))
     return headers
+
+
+def error_response(error: APIError, max_chars: int = DEFAULT_MAX_MESSAGE_CHARS) -> Response:
+    """The error as a Starlette ``Response`` (the routes' exception handlers)."""
+    from starlette.responses import Response
+
+    body = error_body(error, max_chars)
+    response = Response(content=body, status_code=error.status, media_type="application/json")
+    for name, value in error_headers(error, body):
+        if name not in (b"content-type", b"content-length"):
+            response.headers.append(name.decode("latin-1"), value.decode("latin-1"))
+    return response

@@ -1,82 +1,140 @@
-"""``omni-server generate``: one prompt to PNG files in this process, with a progress bar over denoising steps."""
+"""``omni-server generate``: one request through the same engine core as ``serve``, in this process.
+
+The request is built from the flags and checked against the model's metadata (``omni_models.inspect``) before
+anything loads; then the engine (``omni_server.engine.EngineCore``, the one ``serve`` runs, over one rank or a
+worker group) runs it with a progress bar over its steps, and its outputs are written: PNG per image (``-n``:
+``NAME-i.png``), WAV for a song. The same seed gives the same bytes as the HTTP API.
+"""
 
 from __future__ import annotations
 
+import io
+import re
 import sys
 import time
+from argparse import Namespace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
+import msgspec
+
+from omni_models import GenerationRequest, InvalidRequestError, ModelInfo, ModelSpec, ResolvedRequest, resolve_request
 from omni_server.config import ConfigError, ServerConfig
+
+# The flag a request field comes from, for messages.
+REQUEST_FLAGS = {
+    "prompt": "PROMPT",
+    "negative_prompt": "--negative-prompt",
+    "size": "--size",
+    "num_inference_steps": "--steps",
+    "guidance_scale": "--guidance-scale",
+    "true_cfg_scale": "--true-cfg-scale",
+    "n": "-n",
+    "seed": "--image-seed",
+    "lyrics": "--lyrics",
+    "max_new_tokens": "--max-new-tokens",
+}
+SMALL_SIDE = 128  # below this, generate says how to write the image larger
 
 
 class GenerateError(Exception):
-    """A bad request or setting; the message names the field and what to change."""
+    """A bad request or setting; the message names the flag and what to change."""
 
 
 class ProgressBar:
     """A dependency-free text progress bar, redrawn in place on a terminal stream."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 30) -> None:
-        self._total, self._stream, self._width = max(total, 1), stream, width
+    def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 30, label: str = "denoising") -> None:
+        self._total, self._stream, self._width, self._label = max(total, 1), stream, width, label
         self._start = time.monotonic()
         self._done = 0
 
-    def advance(self) -> None:
-        self._done = min(self._done + 1, self._total)
-        filled = self._width * self._done // self._total
+    def update(self, done: int) -> None:
+        done = min(max(done, self._done), self._total)
+        if done == self._done:
+            return
+        self._done = done
+        filled = self._width * done // self._total
         elapsed = time.monotonic() - self._start
         self._stream.write(
-            f"\rdenoising |{'#' * filled}{'.' * (self._width - filled)}| {self._done}/{self._total} "
-            f"[{elapsed:.1f}s]"
+            f"\r{self._label} |{'#' * filled}{'.' * (self._width - filled)}| {done}/{self._total} [{elapsed:.1f}s]"
         )
-        if self._done == self._total:
+        if done == self._total:
             self._stream.write("\n")
         self._stream.flush()
 
 
+def parse_size(size: str | None) -> tuple[int | None, int | None]:
+    """``"WIDTHxHEIGHT"`` -> ``(height, width)``; the model checks the values."""
+    if size is None:
+        return None, None
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", size)
+    if match is None:
+        raise GenerateError(f"--size must look like WIDTHxHEIGHT, e.g. 32x32; got {size!r}")
+    width, height = (int(part) for part in match.groups())
+    return height, width
+
+
+def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) -> ResolvedRequest:
+    """The flags' request, checked against the model (before it loads); ``GenerateError`` naming the flag."""
+    height, width = parse_size(args.size)
+    lyrics = None if args.lyrics is None else args.lyrics.replace("\\n", "\n")
+    request = GenerationRequest(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        n=args.n,
+        height=height,
+        width=width,
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        true_cfg_scale=args.true_cfg_scale,
+        seed=args.image_seed if args.image_seed is not None else config.seed,
+        lyrics=lyrics,
+        max_new_tokens=args.max_new_tokens,
+    )
+    try:
+        return resolve_request(info, request)
+    except InvalidRequestError as exc:
+        raise GenerateError(f"{REQUEST_FLAGS.get(exc.param, exc.param)}: {exc}") from None
+
+
 def output_paths(output: Path, n: int) -> list[Path]:
-    """``out.png`` for one image; ``out-0.png`` ... ``out-{n-1}.png`` for several."""
+    """``out.png`` for one output; ``out-0.png`` ... ``out-{n-1}.png`` for several."""
     if n == 1:
         return [output]
     return [output.with_name(f"{output.stem}-{i}{output.suffix or '.png'}") for i in range(n)]
 
 
-def parse_size(size: str | None) -> tuple[int | None, int | None]:
-    """``"WIDTHxHEIGHT"`` -> ``(height, width)``."""
-    if size is None:
-        return None, None
-    parts = size.lower().split("x")
-    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise GenerateError(f"--size must look like WIDTHxHEIGHT, e.g. 32x32; got {size!r}")
-    return int(parts[1]), int(parts[0])
+def _upscaled(png: bytes, factor: int) -> bytes:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png))
+    buffer = io.BytesIO()
+    image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def generate_to_files(
     config: ServerConfig,
+    spec: ModelSpec,
+    request: ResolvedRequest,
     *,
-    prompt: str,
-    output: Path,
-    n: int = 1,
-    negative_prompt: str | None = None,
-    num_inference_steps: int | None = None,
-    guidance_scale: float | None = None,
-    true_cfg_scale: float | None = None,
-    size: str | None = None,
-    seed: int | None = None,
+    output: str | None = None,
+    upscale: int = 1,
     progress_stream: TextIO = sys.stderr,
 ) -> list[Path]:
-    """Load the model as ``serve`` would, generate ``n`` images and write them as PNG.
+    """Run ``request`` through the engine core on the configured model and write its outputs; returns the paths."""
+    from omni_server.engine import EngineCore, load_pipeline
+    from omni_server.protocol import EngineStats, RequestFinished
 
-    Image ``i`` is seeded ``seed + i``; a real family maps the request's fields as the server's engine does
-    (``family_engine.family_request_kwargs``), so ``generate`` and ``serve`` draw the same images. With a world
-    size above 1 this process is rank 0 of one process per GPU (``omni_server.workers``).
-    """
-    from omni_server.loader import load_pipeline
-
-    if n < 1:
-        raise GenerateError(f"-n must be >= 1; got {n}")
-    height, width = parse_size(size)
+    music = spec.info.audio is not None
+    if upscale < 1 or (upscale > 1 and music):
+        raise GenerateError(
+            "--upscale takes a whole factor >= 1, for images"
+            if upscale < 1
+            else "--upscale applies to images; a music model writes a WAV"
+        )
+    path = Path(output or ("song.wav" if music else "out.png"))
     try:
         if config.world_size > 1:
             from omni_server.workers import WorkerGroup
@@ -86,54 +144,34 @@ def generate_to_files(
             pipeline = load_pipeline(config)
     except ConfigError as exc:
         raise GenerateError(str(exc)) from None
+    engine = EngineCore(pipeline, msgspec.structs.replace(config, warmup=False))
     try:
-        return _generate(pipeline, prompt=prompt, output=output, n=n, negative_prompt=negative_prompt,
-                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                         true_cfg_scale=true_cfg_scale, height=height, width=width, seed=seed,
-                         progress_stream=progress_stream)
+        engine.add("generate", request)
+        total = request.max_new_tokens + 1 if music else request.num_inference_steps
+        bar = ProgressBar(total, progress_stream, label="generating" if music else "denoising")
+        finished = None
+        while finished is None:
+            for message in engine.step():
+                if isinstance(message, EngineStats):
+                    for item in message.progress:
+                        bar.update(item.step)
+                elif isinstance(message, RequestFinished):
+                    finished = message
     finally:
-        close = getattr(pipeline, "close", None)
-        if close is not None:
-            close()
-
-
-def _generate(pipeline: Any, *, prompt: str, output: Path, n: int, negative_prompt: str | None,
-              num_inference_steps: int | None, guidance_scale: float | None, true_cfg_scale: float | None,
-              height: int | None, width: int | None, seed: int | None, progress_stream: TextIO) -> list[Path]:
-    from omni_models import FamilyPipeline, InvalidRequestError
-
-    from omni_server.family_engine import family_request_kwargs
-    from omni_server.protocol import GenerationParams
-
-    steps = num_inference_steps if num_inference_steps is not None else pipeline.info.default_steps
-    bar = ProgressBar(int(steps), progress_stream)
-
-    def on_step_end(*_args: Any, **_kwargs: Any) -> None:
-        bar.advance()
-
-    try:
-        # A multi-rank pipeline (omni_server.workers.DistributedPipeline) wraps rank 0's own pipeline.
-        if isinstance(getattr(pipeline, "local", pipeline), FamilyPipeline):
-            params = GenerationParams(prompt=prompt, negative_prompt=negative_prompt, n=n, height=height, width=width,
-                                      num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                                      true_cfg_scale=true_cfg_scale, seed=seed)
-            kwargs = family_request_kwargs(pipeline.info, params)
-            images = pipeline(kwargs.pop("prompt"), **kwargs, seed=seed, num_images_per_prompt=n,
-                              callback_on_step_end=on_step_end)
-        elif true_cfg_scale is not None:
-            raise GenerateError("--true-cfg-scale applies to the real families (FLUX.1, Qwen-Image); omni models take "
-                                "--guidance-scale")
-        else:
-            images = pipeline(
-                [prompt] * n if n > 1 else prompt,
-                negative_prompt=[negative_prompt] * n if (negative_prompt is not None and n > 1) else negative_prompt,
-                num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
-                height=height, width=width, callback_on_step_end=on_step_end,
-            )
-    except InvalidRequestError as exc:
-        raise GenerateError(f"{exc.param}: {exc}") from None
-    paths = output_paths(output, n)
-    for path, image in zip(paths, images, strict=True):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path, format="PNG")
+        engine.close()
+    if finished.error is not None:
+        param = finished.error.param
+        where = f"{REQUEST_FLAGS.get(param, param)}: " if param else ""
+        raise GenerateError(f"{where}{finished.error.message}")
+    bar.update(total)
+    paths = output_paths(path, len(finished.outputs))
+    for file, data in zip(paths, finished.outputs, strict=True):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(_upscaled(data, upscale) if upscale > 1 else data)
+    if not music and upscale == 1 and max(request.height, request.width) < SMALL_SIDE:
+        print(
+            f"note: {spec.info.variant} draws {request.width}x{request.height} images; --upscale 8 writes them "
+            "8 times larger",
+            file=progress_stream,
+        )
     return paths

@@ -33,27 +33,43 @@ class ServerMetrics:
             "omni:kv_cache_blocks_total", "KV cache blocks in the pool.", ["model_name"], registry=r
         ).labels(**labels)
         self.engine_ready = Gauge(
-            "omni:engine_ready", "1 when the engine is ready, 0 while starting or after it died.", ["model_name"],
+            "omni:engine_ready",
+            "1 when the engine is ready, 0 while starting or after it died.",
+            ["model_name"],
             registry=r,
         ).labels(**labels)
         self.queue_time = Histogram(
-            "omni:request_queue_time_seconds", "Arrival to first scheduled, in the engine.", ["model_name"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "omni:request_queue_time_seconds",
+            "Arrival to first scheduled, in the engine.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         ).labels(**labels)
         self.step_time = Histogram(
-            "omni:denoise_step_latency_seconds", "Wall time of one engine denoising iteration.", ["model_name"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "omni:denoise_step_latency_seconds",
+            "Wall time of one engine denoising iteration.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         ).labels(**labels)
         self.e2e_time = Histogram(
-            "omni:e2e_request_latency_seconds", "HTTP request received to response ready.", ["model_name"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "omni:e2e_request_latency_seconds",
+            "HTTP request received to response ready.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         ).labels(**labels)
         self.heartbeat_age = Gauge(
-            "omni:engine_heartbeat_age_seconds", "Seconds since the engine process was last heard from.",
-            ["model_name"], registry=r,
+            "omni:engine_heartbeat_age_seconds",
+            "Seconds since the engine process was last heard from.",
+            ["model_name"],
+            registry=r,
         ).labels(**labels)
         self.engine_restarts = Counter(
-            "omni:engine_restarts", "Engine processes restarted after the engine died.", ["model_name"], registry=r,
+            "omni:engine_restarts",
+            "Engine processes restarted after the engine died.",
+            ["model_name"],
+            registry=r,
         ).labels(**labels)
         self._finished = Counter(
             "omni:request_finished", "Finished requests by outcome.", ["model_name", "outcome"], registry=r

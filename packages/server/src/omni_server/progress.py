@@ -97,8 +97,11 @@ def progress_router(board: ProgressBoard) -> APIRouter:
     async def progress(key: str) -> dict[str, object]:
         state = board.get(key)
         if state is None:
-            raise HTTPException(404, f"no request is tracked under progress key {key!r} (send it as the "
-                                     f"{PROGRESS_HEADER} header of the generation request)")
+            raise HTTPException(
+                404,
+                f"no request is tracked under progress key {key!r} (send it as the "
+                f"{PROGRESS_HEADER} header of the generation request)",
+            )
         return state
 
     return router

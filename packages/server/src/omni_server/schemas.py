@@ -1,21 +1,23 @@
 """HTTP request/response bodies (pydantic, so FastAPI publishes them in the OpenAPI schema).
 
-The request schema is strict: unknown fields are rejected (a misspelt
-``num_inference_step`` must not silently fall back to the default), numbers must
-be finite, and ``size`` must look like ``WIDTHxHEIGHT``. Whether a size or step
-count is supported by the loaded model is checked against its ``ModelCard``.
+The request schemas are strict: unknown fields are rejected by name (a misspelt ``num_inference_step`` must not
+silently fall back to the default), numbers must be finite, and ``size`` must look like ``WIDTHxHEIGHT``. Values
+the OpenAI API defines whose meaning is what the server does anyway are accepted (``stream: false``,
+``quality: "auto"``, ``background: "auto"``/``"opaque"``, ``moderation``, ``null`` for an optional field, ...);
+values it cannot honour are a 400 naming the field. Whether a size or step count suits the loaded model is
+checked once, against its ``ModelInfo`` (``omni_models.resolve_request``).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_INFERENCE_STEPS, MAX_SEED
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_server.protocol import ModelCard
+from omni_models import ModelInfo
+from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_IMAGES_PER_REQUEST, MAX_INFERENCE_STEPS, MAX_SEED
 
-MAX_IMAGES_PER_REQUEST = 10  # the server's limit (the engine's row pool is sized for it); the rest are the model's
+OutputFormat = Literal["png", "jpeg", "webp"]
 
 
 class ImageGenerationRequest(BaseModel):
@@ -23,25 +25,49 @@ class ImageGenerationRequest(BaseModel):
 
     prompt: str = Field(min_length=1, description="Text describing the image.")
     model: str | None = Field(default=None, description="Served model name; defaults to the loaded model.")
-    n: int = Field(default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Number of images.")
+    n: int | None = Field(default=None, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Number of images (default 1).")
     size: str | None = Field(
-        default=None, pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$", description="WIDTHxHEIGHT, e.g. 32x32."
+        default=None,
+        pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$",
+        description="WIDTHxHEIGHT, e.g. 32x32; auto or omitted: the model's default.",
     )
-    response_format: Literal["b64_json"] = Field(
-        default="b64_json", description="Only b64_json: images are returned inline as base64 PNG."
+    response_format: Literal["b64_json"] | None = Field(
+        default=None, description="Only b64_json: images are returned inline, base64-encoded."
     )
-    negative_prompt: str | None = Field(default=None, description="What the image should not show (CFG).")
+    output_format: OutputFormat | None = Field(default=None, description="png (default), jpeg or webp.")
+    output_compression: int | None = Field(
+        default=None, ge=0, le=100, description="jpeg/webp quality in percent (default 100 for webp, 95 for jpeg)."
+    )
+    quality: Literal["auto"] | None = Field(default=None, description="Only auto: the model's own quality.")
+    background: Literal["auto", "opaque"] | None = Field(default=None, description="Images are opaque RGB.")
+    moderation: Literal["auto", "low"] | None = Field(default=None, description="Accepted; there is no moderation.")
+    stream: Literal[False] | None = Field(default=None, description="Only false: one response with every image.")
+    partial_images: Literal[0] | None = Field(default=None, description="Only 0 (no streaming).")
+    negative_prompt: str | None = Field(
+        default=None, description="What the image should not show (CFG); null: none; omitted: the model's default."
+    )
     num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_INFERENCE_STEPS)
     guidance_scale: float | None = Field(
-        default=None, ge=0.0, le=MAX_GUIDANCE_SCALE,
+        default=None,
+        ge=0.0,
+        le=MAX_GUIDANCE_SCALE,
         description="The model's guidance: CFG for omni models, embedded guidance for FLUX.1-dev, the true-CFG scale "
-                    "for families without embedded guidance (Qwen-Image, FLUX.1-schnell).")
+        "for families without embedded guidance (Qwen-Image, FLUX.1-schnell).",
+    )
     true_cfg_scale: float | None = Field(
-        default=None, ge=0.0, le=MAX_GUIDANCE_SCALE,
-        description="Real families only: classifier-free guidance with the negative prompt (applies when > 1).")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED,
-                             description="Seed of image 0; image i uses seed + i, so seed + n - 1 must be <= 2**63 - 1.")
+        default=None,
+        ge=0.0,
+        le=MAX_GUIDANCE_SCALE,
+        description="FLUX.1-dev: classifier-free guidance with the negative prompt on top of the embedded guidance.",
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed of image 0; image i uses seed + i, so seed + n - 1 must be <= 2**63 - 1.",
+    )
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
+    safety_identifier: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
 
 
 class ImageData(BaseModel):
@@ -52,27 +78,39 @@ class ImageData(BaseModel):
 class ImageGenerationResponse(BaseModel):
     created: int
     data: list[ImageData]
+    output_format: OutputFormat | None = None
+    size: str | None = None
 
 
 class ModelObject(BaseModel):
+    """A ``/v1/models`` entry: OpenAI's fields, then what the model accepts (from its ``ModelInfo``)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omni"
-    sizes: list[str]
-    default_size: str
-    default_num_inference_steps: int
-    default_guidance_scale: float | None
-    family: str = Field(description="omni-dit (the shipped model family), flux or qwen-image")
-    variant: str | None = None
+    task: Literal["text-to-image", "text-to-music"]
+    family: str = Field(description="omni-dit, flux, qwen-image or omni-music")
+    variant: str
+    accepts: list[str] = Field(description="request fields this model uses")
+    # image models
+    sizes: list[str] | None = None
+    default_size: str | None = None
     size_range: dict[str, int] | None = Field(
-        default=None, description="{multiple, min_side, max_side}: any WIDTHxHEIGHT within it (real families)")
-    accepts: list[str] = Field(default_factory=list, description="request fields this model uses")
+        default=None, description="{multiple, min_side, max_side}: any WIDTHxHEIGHT within it (real families)"
+    )
+    default_num_inference_steps: int | None = None
+    default_guidance_scale: float | None = None
     default_true_cfg_scale: float | None = None
     default_negative_prompt: str | None = None
     max_images_per_request: int | None = None
     max_inference_steps: int | None = None
     max_prompt_tokens: int | None = None
+    # music models
+    sample_rate: int | None = None
+    channels: int | None = None
+    frame_rate: int | None = None
+    max_new_tokens: int | None = None
 
 
 class ModelList(BaseModel):
@@ -80,20 +118,46 @@ class ModelList(BaseModel):
     data: list[ModelObject]
 
 
-def model_object(card: ModelCard, created: int) -> ModelObject:
-    """The /v1/models entry of a loaded model."""
-    size_range = card.size_range
-    return ModelObject(
-        id=card.name, created=created, sizes=[f"{w}x{h}" for h, w in card.sizes],
-        default_size=f"{card.default_size[1]}x{card.default_size[0]}",
-        default_num_inference_steps=card.default_steps, default_guidance_scale=card.default_guidance_scale,
-        family=card.family, variant=card.variant,
-        size_range=None if size_range is None else {"multiple": size_range.multiple, "min_side": size_range.min_side,
-                                                    "max_side": size_range.max_side},
-        accepts=list(card.accepts), default_true_cfg_scale=card.default_true_cfg_scale,
-        default_negative_prompt=card.default_negative_prompt, max_images_per_request=card.max_images_per_request,
-        max_inference_steps=card.max_inference_steps, max_prompt_tokens=card.max_prompt_tokens,
+def model_object(info: ModelInfo, served_name: str, created: int) -> ModelObject:
+    """The ``/v1/models`` entry of a loaded model."""
+    entry = ModelObject(
+        id=served_name,
+        created=created,
+        task=info.task,
+        family=info.family,
+        variant=info.variant,
+        accepts=list(info.accepts),
     )
+    if info.image is not None:
+        image = info.image
+        rule = image.size_range
+        entry = entry.model_copy(
+            update=dict(
+                sizes=[f"{w}x{h}" for h, w in image.sizes],
+                default_size="{1}x{0}".format(*image.default_size),
+                size_range=None
+                if rule is None
+                else {"multiple": rule.multiple, "min_side": rule.min_side, "max_side": rule.max_side},
+                default_num_inference_steps=image.default_steps,
+                default_guidance_scale=image.default_guidance_scale,
+                default_true_cfg_scale=image.default_true_cfg_scale,
+                default_negative_prompt=image.default_negative_prompt,
+                max_images_per_request=image.max_images_per_request,
+                max_inference_steps=image.max_inference_steps,
+                max_prompt_tokens=image.max_prompt_tokens,
+            )
+        )
+    if info.audio is not None:
+        audio = info.audio
+        entry = entry.model_copy(
+            update=dict(
+                sample_rate=audio.sample_rate,
+                channels=audio.channels,
+                frame_rate=audio.frame_rate,
+                max_new_tokens=audio.max_frames,
+            )
+        )
+    return entry
 
 
 class ErrorDetail(BaseModel):

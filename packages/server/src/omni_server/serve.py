@@ -5,6 +5,11 @@ both and takes orders from this process only) starts the drain: new requests get
 ``/health`` turns 503, requests in flight run to completion for up to ``--shutdown-timeout`` seconds, and
 whatever is still in flight then gets 503 ``server_shutting_down``. Then uvicorn closes the connections,
 the lifespan stops the engine, and the process exits 0. A second signal skips the rest of the wait.
+
+An engine that fails its first start, or dies once more than ``--engine-restarts`` allows (the engine client
+reaches ``dead`` and calls ``on_engine_failure``), ends the server instead: whatever was in flight has been
+answered 503, uvicorn shuts down and the process exits 1, so a supervisor (systemd, Kubernetes) restarts it, as
+vLLM's server exits when its engine dies.
 """
 
 from __future__ import annotations
@@ -26,17 +31,19 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def serve(config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to start, else 0."""
+    """Serve until SIGINT/SIGTERM (returns 0), or until the engine is dead (returns 1)."""
     import uvicorn
 
     from omni_server.api import DrainState, create_app
     from omni_server.http_protocol import protocol_class
 
-    start_failures: list[str] = []
+    engine_failures: list[str] = []
     drain = DrainState()
 
     def on_engine_failure(reason: str) -> None:
-        start_failures.append(reason)
+        """The engine failed to start, or is dead (``EngineClient``'s ``on_dead``, after it answered every request
+        503): stop serving and exit 1."""
+        engine_failures.append(reason)
         server.should_exit = True
 
     app = create_app(config, on_engine_failure=on_engine_failure, drain=drain)
@@ -49,8 +56,7 @@ def serve(config: ServerConfig) -> int:
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if self.drain_deadline is None:
-                logger.info("received %s: draining (at most %g s)", signal.Signals(sig).name,
-                            config.shutdown_timeout_s)
+                logger.info("received %s: draining (at most %g s)", signal.Signals(sig).name, config.shutdown_timeout_s)
                 self.drain_deadline = time.monotonic() + config.shutdown_timeout_s
                 drain.start()
             else:
@@ -73,22 +79,31 @@ def serve(config: ServerConfig) -> int:
                 client = app.state.engine_client
                 in_flight = app.state.in_flight
                 if in_flight == 0 or self.skip_wait or time.monotonic() >= self.drain_deadline:
-                    answered = client.fail_pending(RequestError(
-                        kind="unavailable", code="server_shutting_down",
-                        message=f"the server shut down before this request finished (--shutdown-timeout "
-                                f"{config.shutdown_timeout_s:g} s)"))
+                    answered = client.fail_pending(
+                        RequestError(
+                            kind="unavailable",
+                            code="server_shutting_down",
+                            message=f"the server shut down before this request finished (--shutdown-timeout "
+                            f"{config.shutdown_timeout_s:g} s)",
+                        )
+                    )
                     logger.info("drain done: %d request(s) still in flight answered 503", answered)
                     self.should_exit = True
             return await super().on_tick(counter)
 
     uvicorn_config: dict[str, Any] = dict(
-        host=config.host, port=config.port, log_level=config.log_level, access_log=config.log_level == "debug",
-        http=protocol_class(config), h11_max_incomplete_event_size=config.max_header_bytes,
-        timeout_graceful_shutdown=5, server_header=False,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.log_level == "debug",
+        http=protocol_class(config),
+        h11_max_incomplete_event_size=config.max_header_bytes,
+        timeout_graceful_shutdown=5,
+        server_header=False,
     )
     server = DrainingServer(uvicorn.Config(app, **uvicorn_config))
     server.run()
-    if start_failures:
-        logger.error("exiting: %s", start_failures[0])
+    if engine_failures:
+        logger.error("exiting: %s", engine_failures[0])
         return 1
     return 0

@@ -2,20 +2,21 @@
 AllGather), started by the engine itself over ``torch.distributed`` (NCCL on CUDA, gloo on CPU; no torchrun).
 
 Roles. The engine process is rank 0: it keeps the scheduler, the KV block bookkeeping and the row table, and it
-runs its share of every forward. Ranks 1..N-1 are worker processes (``python -m omni_server.workers``) that
-load the same model and run their share. The engine sees one pipeline, ``DistributedPipeline``: each call that
-touches model state is first broadcast to the workers over a gloo control group (``broadcast_object_list``),
-then run on rank 0; every rank runs the same calls in the same order, so their collectives match. What a
-worker needs to mirror rank 0 travels with the calls: the prepare arguments of each new job (seed resolved),
-the row table's installs and retires since the last forward (``JournaledRowTable``), and which jobs are still
-alive. Every rank advances every job identically, so only rank 0 decodes.
+runs its share of every forward. Ranks 1..N-1 are worker processes (``python -m omni_server.workers``) that load
+the same model and run their share. The engine sees one pipeline, ``DistributedPipeline``, which implements the
+stepwise contract (``omni_models.contract``) explicitly: each call that touches model state is first broadcast to
+the workers over a gloo control group as a tagged ``msgspec`` command (``Command``), then run on rank 0; every rank
+runs the same calls in the same order, so their collectives match. What a worker needs to mirror rank 0 travels
+with the calls: each request's resolved fields (seed included) the first time one of its jobs runs, each job's KV
+rows, the row table's installs and retires since the last forward (``JournaledRowTable``), and which requests are
+still alive. Every rank advances every job identically, so only rank 0 decodes.
 
-Faults. A worker that exits while the group runs is fatal: the monitor thread kills the other workers and ends
-the engine process at once (exit 1), so the API process sees the engine die (``/health`` 503, in-flight
-requests 503) even while rank 0 is blocked inside a collective; workers die with the engine through
-``PR_SET_PDEATHSIG``. An exception on any rank after a call was broadcast is fatal the same way (the ranks'
-collectives no longer match); a request's ``InvalidRequestError`` is raised on every rank before any
-collective and is not. ``close`` stops the workers cleanly (each exits 0), then kills what did not exit.
+Faults. A worker that exits while the group runs is fatal: the monitor thread kills the other workers and ends the
+engine process at once (exit 1), so the API process sees the engine die (``/health`` 503, in-flight requests 503)
+even while rank 0 is blocked inside a collective; workers die with the engine through ``PR_SET_PDEATHSIG``. An
+exception on any rank after a call was broadcast is fatal the same way (the ranks' collectives no longer match);
+``prepare`` runs on rank 0 only and never reaches the workers when it refuses a request. ``close`` stops the
+workers cleanly (each exits 0), then kills what did not exit.
 """
 
 from __future__ import annotations
@@ -23,26 +24,33 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
-import inspect
 import itertools
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from diffusion_kv import WorkerRowTable
 
-from omni_server.config import ConfigError, ServerConfig
-from omni_server.protocol import SEED_DRAW_RANGE
+from diffusion_kv import DiffusionKVMetadata, RowIdentity, WorkerRowTable
+from omni_models import ResolvedRequest
+from omni_server.config import ServerConfig
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup, Store
+
+    from diffusion_kv import AttentionCacheSpec
+    from omni_models import Job, PagedPipeline
+    from omni_models.parallel import ParallelState
+
+T = TypeVar("T")
 logger = logging.getLogger("omni_server.workers")
 
 _PR_SET_PDEATHSIG = 1
@@ -52,80 +60,18 @@ _CONTROL_TIMEOUT = timedelta(days=3650)
 _STOP_TIMEOUT_S = 10.0
 
 
-# -- start-up checks ---------------------------------------------------------------------------------------------
-
-
-def check_parallel_config(config: ServerConfig, *, serving: bool = True) -> None:
-    """Fail before anything starts (``ConfigError`` naming the flag) when the world cannot run this model here.
-
-    ``serving``: the checks of ``serve`` (whose engine runs the causal-prefix DiT on several GPUs); ``generate``
-    also runs the diffusers families on several GPUs (CFG-parallel: FLUX.1 and Qwen-Image; SP: FLUX.1).
-    """
-    if config.world_size == 1:
-        return
-    check_devices(config)
-    family, num_heads = _model_heads(config.model)
-    if family is not None:
-        if serving:
-            raise ConfigError(
-                "--cfg-parallel-size and --sequence-parallel-size: omni-server serve runs the causal-prefix DiT on "
-                f"several GPUs; {config.model!r} is a diffusers {family} checkpoint, which `omni-server generate` "
-                "runs on several GPUs (serve it on one)"
-            )
-        if config.sequence_parallel_size > 1 and family != "flux":
-            raise ConfigError(f"--sequence-parallel-size applies to FLUX.1 among the families, not {family}; use "
-                              "--cfg-parallel-size")
-        if config.enable_layerwise_offload or config.quantization:
-            raise ConfigError("--enable-layerwise-offload and --quantization are not combined with several GPUs for "
-                              "the diffusers families yet; drop them or the parallel flags")
-    from omni_models.parallel import check_sequence_parallel
-
-    try:
-        check_sequence_parallel(num_heads, config.sequence_parallel_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def check_devices(config: ServerConfig) -> None:
-    """On CUDA, one rank per visible GPU: ``ConfigError`` naming the flags unless the counts agree."""
-    world = config.world_size
-    device = config.resolved_device()
-    if world == 1 or not device.startswith("cuda"):
-        return
-    import torch
-
-    available = torch.cuda.device_count()
-    if available != world:
-        raise ConfigError(
-            f"--cfg-parallel-size {config.cfg_parallel_size} x --sequence-parallel-size "
-            f"{config.sequence_parallel_size} = {world} ranks, but {available} CUDA device(s) are visible; "
-            f"one rank runs per GPU, so make CUDA_VISIBLE_DEVICES list exactly {world}"
-        )
-    if device != "cuda":
-        raise ConfigError(f"--device {device} names one GPU, but {world} ranks use one GPU each; pass --device cuda")
-
-
-def _model_heads(model: str) -> tuple[str | None, int]:
-    """(diffusers family or None for the causal-prefix DiT, attention heads), read from config files only."""
-    import json
-
-    from omni_models.checkpoint import load_config
-    from omni_models.hub import is_diffusers_checkpoint, resolve_model_dir
-
-    try:
-        directory = resolve_model_dir(model)
-    except Exception as exc:  # an unknown model is reported by the loader as usual; here it names the flags
-        raise ConfigError(f"cannot check --sequence-parallel-size against model {model!r}: {exc}") from None
-    if is_diffusers_checkpoint(directory):
-        index = json.loads((directory / "model_index.json").read_text())
-        family = "flux" if "Flux" in str(index.get("_class_name")) else "qwen-image"
-        transformer = json.loads((directory / "transformer" / "config.json").read_text())
-        return family, int(transformer["num_attention_heads"])
-    config, _ = load_config(directory)
-    return None, config.num_heads
-
-
 # -- rank 0: the pipeline the engine drives ------------------------------------------------------------------------
+
+
+class Install(msgspec.Struct, frozen=True, tag=True):
+    metadata: DiffusionKVMetadata
+
+
+class Remove(msgspec.Struct, frozen=True, tag=True):
+    targets: list[str | tuple[str, int]]
+
+
+RowOp = Install | Remove
 
 
 class JournaledRowTable(WorkerRowTable):
@@ -133,138 +79,201 @@ class JournaledRowTable(WorkerRowTable):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.init_kwargs = dict(kwargs)
-        self.journal: list[tuple[str, Any]] = []
+        self.geometry = {name: kwargs[name] for name in ROW_TABLE_GEOMETRY}
+        self.registered_roles = sorted(kwargs["registered_roles"])
+        self.journal: list[RowOp] = []
 
-    def install(self, metadata: Any) -> bool:
+    def install(self, metadata: DiffusionKVMetadata) -> bool:
         written = super().install(metadata)
-        self.journal.append(("install", metadata))
+        self.journal.append(Install(metadata))
         return written
 
-    def remove(self, targets: Any) -> int:
+    def remove(self, targets: Iterable[str | tuple[str, int]]) -> int:
         targets = list(targets)
         removed = super().remove(targets)
-        self.journal.append(("remove", targets))
+        self.journal.append(Remove(targets))
         return removed
 
-    def drain(self) -> list[tuple[str, Any]]:
+    def drain(self) -> list[RowOp]:
         ops, self.journal = self.journal, []
         return ops
 
 
-class _JobRecord:
-    __slots__ = ("key", "arguments", "sent")
+ROW_TABLE_GEOMETRY = ("num_rows", "max_rows_per_request", "num_blocks", "block_size", "max_model_len")
 
-    def __init__(self, key: int, arguments: dict[str, Any]) -> None:
-        self.key, self.arguments, self.sent = key, arguments, False
+
+class JobRef(msgspec.Struct, frozen=True, array_like=True):
+    """One job of a command: its request (``request`` is sent the first time any of the request's jobs runs), its
+    index among the request's jobs, and its KV rows (paged pipelines)."""
+
+    request_key: int
+    index: int
+    request_id: str | None = None
+    request: ResolvedRequest | None = None
+    kv_rows: tuple[RowIdentity, ...] | None = None
+
+
+class AllocateKVCaches(msgspec.Struct, frozen=True, tag=True):
+    num_blocks: int
+    block_size: int
+
+
+class BindRowTable(msgspec.Struct, frozen=True, tag=True):
+    geometry: dict[str, int]
+    registered_roles: list[str]
+
+
+class AllocateKVCachesFor(msgspec.Struct, frozen=True, tag=True):
+    jobs: list[JobRef]
+    block_size: int
+
+
+class Start(msgspec.Struct, frozen=True, tag=True):
+    jobs: list[JobRef]
+    row_ops: list[RowOp]
+    live: list[int]  # the requests still alive: a worker forgets the others
+
+
+class Step(msgspec.Struct, frozen=True, tag=True):
+    jobs: list[JobRef]
+    row_ops: list[RowOp]
+    live: list[int]
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+Command = AllocateKVCaches | BindRowTable | AllocateKVCachesFor | Start | Step | Stop
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Command)
+
+
+class _RequestRecord:
+    __slots__ = ("key", "request", "request_id", "sent")
+
+    def __init__(self, key: int, request: ResolvedRequest, request_id: str | None) -> None:
+        self.key, self.request, self.request_id, self.sent = key, request, request_id, False
 
 
 class DistributedPipeline:
     """Rank 0's pipeline: every state-changing call runs on all ranks (see the module docstring).
 
-    Read-only attributes (``info``, ``device``, ``kv_caches``, ``decode``, ...) are the local pipeline's.
+    It implements ``omni_models.contract.PagedPipeline`` (the paged calls are used when the model is paged):
+    ``info``, ``device`` and ``decode`` are rank 0's own; ``prepare`` runs on rank 0 only, and a worker prepares the
+    same request from its resolved fields when it first needs it.
     """
 
     row_table_type = JournaledRowTable
 
-    def __init__(self, local: Any, group: WorkerGroup) -> None:
-        self._local = local
+    def __init__(self, local: PagedPipeline, group: WorkerGroup) -> None:
+        self.local = local
+        self.info = local.info
+        self.device = local.device
         self._group = group
         self._keys = itertools.count()
-        self._jobs: weakref.WeakKeyDictionary[Any, _JobRecord] = weakref.WeakKeyDictionary()
+        self._requests: dict[int, _RequestRecord] = {}
+        self._jobs: weakref.WeakKeyDictionary[Job, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._table: JournaledRowTable | None = None
-        self._prepare_signature = inspect.signature(local.prepare)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._local, name)
 
     @property
     def world_size(self) -> int:
         return self._group.world_size
 
     @property
-    def local(self) -> Any:
-        """Rank 0's own pipeline."""
-        return self._local
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.local.kv_caches
 
-    # -- calls mirrored on every rank ------------------------------------------------------------------------
+    # -- the stepwise contract: mirrored on every rank ----------------------------------------------------------
 
-    def prepare(self, *args: Any, **kwargs: Any) -> Any:
-        """Validate and build the job on rank 0 only; the workers build it from the same arguments when it first
-        runs (the random seed is drawn here, so every rank starts from the same noise)."""
-        bound = self._prepare_signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        if arguments.get("seed") is None:
-            arguments["seed"] = random.SystemRandom().randrange(SEED_DRAW_RANGE)
-        job = self._local.prepare(**arguments)
-        self._jobs[job] = _JobRecord(next(self._keys), arguments)
-        return job
+    def prepare(self, request: ResolvedRequest, *, request_id: str | None = None) -> list[Job]:
+        jobs = self.local.prepare(request, request_id=request_id)
+        key = next(self._keys)
+        self._requests[key] = _RequestRecord(key, request, request_id)
+        for index, job in enumerate(jobs):
+            self._jobs[job] = (key, index)
+        return jobs
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[Any]:
-        self._table = None
-        return self._run(("allocate", num_blocks, block_size), self._local.allocate_kv_caches, num_blocks, block_size)
+    def start(self, jobs: Sequence[Job]) -> None:
+        self._run(Start(self._refs(jobs), self._row_ops(), self._live()), self.local.start, jobs)
 
-    def bind_row_table(self, table: Any) -> None:
-        if not isinstance(table, JournaledRowTable):
-            raise TypeError("the engine's row table must be a DistributedPipeline.row_table_type so workers mirror it")
-        table.drain()
-        self._table = table
-        self._run(("bind", table.init_kwargs), self._local.bind_row_table, table)
+    def step(self, jobs: Sequence[Job]) -> None:
+        self._run(Step(self._refs(jobs), self._row_ops(), self._live()), self.local.step, jobs)
 
-    def allocate_kv_caches_for(self, jobs: Sequence[Any], block_size: int) -> list[Any]:
-        self._table = None
-        entries = [self._entry(job, ()) for job in jobs]
-        return self._run(("alloc_for", entries, block_size), self._local.allocate_kv_caches_for, jobs, block_size)
+    def decode(self, jobs: Sequence[Job]) -> list[object]:
+        return self.local.decode(jobs)
 
-    def run_prefix(self, batch: Sequence[Any]) -> None:
-        self._run(self._forward("prefix", batch), self._local.run_prefix, batch)
-
-    def run_denoise_step(self, batch: Sequence[Any], **kwargs: Any) -> None:
-        if kwargs:
-            raise ValueError(f"{sorted(kwargs)} are single-rank options; a multi-rank engine runs the default forward")
-        self._run(self._forward("denoise", batch), self._local.run_denoise_step, batch)
-
-    def __call__(self, prompt: Any, *args: Any, callback_on_step_end: Any = None, **kwargs: Any) -> Any:
-        """One-call generation on every rank; the callback (progress) runs on rank 0 only."""
-        from omni_models import InvalidRequestError
-
-        if kwargs.get("seed") is None:
-            kwargs["seed"] = random.SystemRandom().randrange(SEED_DRAW_RANGE)
-        self._group.broadcast(("call", prompt, args, kwargs))
-        try:
-            return self._local(prompt, *args, callback_on_step_end=callback_on_step_end, **kwargs)
-        except InvalidRequestError:
-            raise  # raised on every rank before any collective: the group stays in step
-        except BaseException as exc:
-            self._group.fail(f"rank 0 failed inside a multi-rank call: {type(exc).__name__}: {exc}")
-            raise
+    def release(self, jobs: Sequence[Job]) -> None:
+        """Rank 0 releases now; the workers forget the request with the next command's ``live`` list."""
+        self.local.release(jobs)
+        for job in jobs:
+            entry = self._jobs.pop(job, None)
+            if entry is not None:
+                self._requests.pop(entry[0], None)
 
     def close(self) -> None:
         self._group.stop()
 
-    # -- helpers ----------------------------------------------------------------------------------------------
+    # -- the paged KV pool ---------------------------------------------------------------------------------------
 
-    def _entry(self, job: Any, identities: Sequence[Any]) -> tuple[int, str | None, dict[str, Any] | None, tuple]:
-        record = self._jobs.get(job)
-        if record is None:
-            raise ValueError("a job in a multi-rank batch must come from this pipeline's prepare()")
-        arguments = None if record.sent else record.arguments
-        record.sent = True
-        return record.key, job.request_id, arguments, tuple(identities)
+    def kv_cache_specs(self) -> dict[str, AttentionCacheSpec]:
+        return self.local.kv_cache_specs()
 
-    def _forward(self, kind: str, batch: Sequence[Any]) -> tuple:
-        ops = self._table.drain() if self._table is not None else []
-        entries = [self._entry(scheduled.job, scheduled.rows) for scheduled in batch]
-        live = [record.key for record in self._jobs.values()]
-        return kind, ops, entries, live
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        self._table = None
+        return self._run(
+            AllocateKVCaches(num_blocks, block_size), self.local.allocate_kv_caches, num_blocks, block_size
+        )
 
-    def _run(self, command: tuple, local: Any, *args: Any) -> Any:
+    def bind_row_table(self, table: WorkerRowTable) -> None:
+        if not isinstance(table, JournaledRowTable):
+            raise TypeError("the engine's row table must be a DistributedPipeline.row_table_type so workers mirror it")
+        table.drain()
+        self._table = table
+        self._run(BindRowTable(table.geometry, table.registered_roles), self.local.bind_row_table, table)
+
+    def allocate_kv_caches_for(self, jobs: Sequence[Job], block_size: int) -> None:
+        self._table = None
+        command = AllocateKVCachesFor(self._refs(jobs), block_size)
+        self._run(command, self.local.allocate_kv_caches_for, jobs, block_size)
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _refs(self, jobs: Sequence[Job]) -> list[JobRef]:
+        refs = []
+        for job in jobs:
+            entry = self._jobs.get(job)
+            if entry is None:
+                raise ValueError("a job in a multi-rank call must come from this pipeline's prepare()")
+            record = self._requests[entry[0]]
+            first = not record.sent
+            record.sent = True
+            kv_rows = getattr(job, "kv_rows", None)
+            refs.append(
+                JobRef(
+                    record.key,
+                    entry[1],
+                    record.request_id if first else None,
+                    record.request if first else None,
+                    None if kv_rows is None else tuple(kv_rows),
+                )
+            )
+        return refs
+
+    def _row_ops(self) -> list[RowOp]:
+        return self._table.drain() if self._table is not None else []
+
+    def _live(self) -> list[int]:
+        return list(self._requests)
+
+    def _run(self, command: Command, local: Callable[..., T], *args: object) -> T:
         self._group.broadcast(command)
         try:
             return local(*args)
         except BaseException as exc:
-            self._group.fail(f"rank 0 failed inside a multi-rank {command[0]!r} call: {type(exc).__name__}: {exc}")
+            self._group.fail(
+                f"rank 0 failed inside a multi-rank {type(command).__name__} call: {type(exc).__name__}: {exc}"
+            )
             raise
 
 
@@ -280,31 +289,27 @@ def _backend(config: ServerConfig) -> str:
     return "nccl" if config.resolved_device().startswith("cuda") else "gloo"
 
 
-def _init_rank(config: ServerConfig, rank: int, store: Any) -> tuple[Any, Any, Any]:
+def _init_rank(config: ServerConfig, rank: int, store: Store) -> tuple[PagedPipeline, ProcessGroup, ParallelState]:
     """Join WORLD, build the control group and the CFG/SP groups, load this rank's pipeline."""
     import torch
     import torch.distributed as dist
 
-    from omni_models.families import FamilyPipeline
-    from omni_models.parallel import enable_parallel, init_parallel
-    from omni_server.loader import load_pipeline
+    from omni_models.parallel import init_parallel
+    from omni_server.engine import load_pipeline
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     rank_config = _rank_config(config, rank)
     if rank_config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
-    dist.init_process_group(_backend(config), store=store, rank=rank, world_size=config.world_size,
-                            timeout=_STORE_TIMEOUT)
+    dist.init_process_group(
+        _backend(config), store=store, rank=rank, world_size=config.world_size, timeout=_STORE_TIMEOUT
+    )
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    state = init_parallel(cfg_parallel_size=config.cfg_parallel_size,
-                          sequence_parallel_size=config.sequence_parallel_size)
-    pipeline = load_pipeline(rank_config)
-    if isinstance(pipeline, FamilyPipeline):
-        from omni_models.family_parallel import enable_family_parallel
-
-        enable_family_parallel(pipeline, state)
-    else:
-        enable_parallel(pipeline, state)
+    state = init_parallel(
+        cfg_parallel_size=config.cfg_parallel_size, sequence_parallel_size=config.sequence_parallel_size
+    )
+    pipeline = load_pipeline(rank_config, offload_group=state.offload_group if config.offload_allgather else None)
+    pipeline.enable_parallel(state)
     dist.barrier(group=control)  # every rank loaded: the group is ready
     return pipeline, control, state
 
@@ -319,46 +324,69 @@ class WorkerGroup:
         self._stopping = threading.Event()  # no worker exit is a fault any more (clean stop or failure)
         self._fail_lock = threading.Lock()
         self._failing = False
-        self._control: Any = None
+        self._control: ProcessGroup | None = None
 
     @classmethod
     def start(cls, config: ServerConfig) -> DistributedPipeline:
         """Spawn ranks 1..N-1, join them as rank 0 and return the engine's pipeline."""
         import torch.distributed as dist
 
+        from omni_server.startup import check_devices
+
         check_devices(config)  # also when the engine is built without the CLI
         group = cls(config)
-        store = dist.TCPStore("127.0.0.1", 0, config.world_size, is_master=True, timeout=_STORE_TIMEOUT,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, config.world_size, is_master=True, timeout=_STORE_TIMEOUT, wait_for_workers=False
+        )
         payload = base64.b64encode(msgspec.msgpack.encode(config)).decode("ascii")
         env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
         for rank in range(1, config.world_size):
-            group._procs.append(subprocess.Popen(
-                [sys.executable, "-m", "omni_server.workers", "--rank", str(rank), "--port", str(store.port),
-                 "--parent-pid", str(os.getpid()), "--config", payload],
-                env=env, stdin=subprocess.DEVNULL,
-            ))
+            group._procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "omni_server.workers",
+                        "--rank",
+                        str(rank),
+                        "--port",
+                        str(store.port),
+                        "--parent-pid",
+                        str(os.getpid()),
+                        "--config",
+                        payload,
+                    ],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
         for rank, proc in enumerate(group._procs, start=1):
-            threading.Thread(target=group._watch, args=(rank, proc), name=f"omni-worker-{rank}-watch",
-                             daemon=True).start()
+            threading.Thread(
+                target=group._watch, args=(rank, proc), name=f"omni-worker-{rank}-watch", daemon=True
+            ).start()
         try:
             pipeline, group._control, _state = _init_rank(config, 0, store)
         except BaseException as exc:
             group.fail(f"rank 0 failed to start the worker group: {type(exc).__name__}: {exc}", exit_process=False)
             raise
-        logger.info("worker group ready: %d ranks (cfg %d x sp %d, %s), worker pids %s", config.world_size,
-                    config.cfg_parallel_size, config.sequence_parallel_size, _backend(config),
-                    [p.pid for p in group._procs])
+        logger.info(
+            "worker group ready: %d ranks (cfg %d x sp %d, %s), worker pids %s",
+            config.world_size,
+            config.cfg_parallel_size,
+            config.sequence_parallel_size,
+            _backend(config),
+            [p.pid for p in group._procs],
+        )
         return DistributedPipeline(pipeline, group)
 
     @property
     def worker_pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
-    def broadcast(self, command: tuple) -> None:
+    def broadcast(self, command: Command) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([command], src=0, group=self._control)
+        dist.broadcast_object_list([_ENCODER.encode(command)], src=0, group=self._control)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -403,7 +431,7 @@ class WorkerGroup:
         import torch.distributed as dist
 
         try:
-            self.broadcast(("stop",))
+            self.broadcast(Stop())
         except Exception:
             logger.exception("could not send stop to the workers")
         for proc in self._procs:
@@ -413,10 +441,7 @@ class WorkerGroup:
                 logger.error("worker pid %d did not stop within %.0f s; killing it", proc.pid, _STOP_TIMEOUT_S)
         self._kill_workers()
         logger.info("worker group stopped: worker exit codes %s", [proc.returncode for proc in self._procs])
-        from dlo_offload import destroy_model_parallel
-
-        destroy_model_parallel()
-        if dist.is_initialized():
+        if dist.is_initialized():  # WORLD and every group built on it (the device mesh's, the control group)
             dist.destroy_process_group()
 
 
@@ -424,62 +449,54 @@ class WorkerGroup:
 
 
 class _WorkerState:
-    """A worker's mirror of rank 0: its pipeline, the jobs by key, the engine's row table."""
+    """A worker's mirror of rank 0: its pipeline, each live request's jobs, the engine's row table."""
 
-    def __init__(self, pipeline: Any) -> None:
+    def __init__(self, pipeline: PagedPipeline) -> None:
         self.pipeline = pipeline
-        self.jobs: dict[int, Any] = {}
+        self.requests: dict[int, list[Job]] = {}
         self.table: WorkerRowTable | None = None
 
-    def _job(self, key: int, request_id: str | None, arguments: dict[str, Any] | None) -> Any:
-        if arguments is not None:
-            job = self.pipeline.prepare(**arguments)
-            job.request_id = request_id
-            self.jobs[key] = job
-        return self.jobs[key]
+    def _jobs(self, refs: Sequence[JobRef]) -> list[Job]:
+        jobs = []
+        for ref in refs:
+            if ref.request is not None:
+                self.requests[ref.request_key] = self.pipeline.prepare(ref.request, request_id=ref.request_id)
+            job = self.requests[ref.request_key][ref.index]
+            if ref.kv_rows is not None:
+                job.kv_rows = ref.kv_rows
+            jobs.append(job)
+        return jobs
 
-    def _batch(self, entries: Sequence[tuple]) -> list[Any]:
-        from omni_models import ScheduledJob
+    def _replay(self, ops: Sequence[RowOp], live: Sequence[int]) -> None:
+        for op in ops:
+            match op:
+                case Install(metadata):
+                    self.table.install(metadata)
+                case Remove(targets):
+                    self.table.remove(targets)
+        alive = set(live)
+        self.requests = {key: jobs for key, jobs in self.requests.items() if key in alive}
 
-        return [ScheduledJob(self._job(key, request_id, arguments), identities)
-                for key, request_id, arguments, identities in entries]
-
-    def handle(self, command: tuple) -> bool:
+    def handle(self, command: Command) -> bool:
         """Run one call; False when told to stop."""
-        kind = command[0]
-        if kind == "stop":
-            return False
-        if kind == "allocate":
-            self.table = None
-            self.pipeline.allocate_kv_caches(command[1], command[2])
-        elif kind == "bind":
-            self.table = WorkerRowTable(**command[1])
-            self.pipeline.bind_row_table(self.table)
-        elif kind == "alloc_for":
-            self.table = None
-            jobs = [self._job(key, request_id, arguments) for key, request_id, arguments, _ in command[1]]
-            self.pipeline.allocate_kv_caches_for(jobs, command[2])
-        elif kind in ("prefix", "denoise"):
-            _, ops, entries, live = command
-            for op, argument in ops:
-                getattr(self.table, op)(argument)
-            batch = self._batch(entries)
-            alive = set(live)
-            self.jobs = {key: job for key, job in self.jobs.items() if key in alive}
-            if kind == "prefix":
-                self.pipeline.run_prefix(batch)
-            else:
-                self.pipeline.run_denoise_step(batch)
-        elif kind == "call":
-            from omni_models import InvalidRequestError
-
-            _, prompt, args, kwargs = command
-            try:
-                self.pipeline(prompt, *args, **kwargs)
-            except InvalidRequestError:
-                pass  # rank 0 raised the same error before any collective and reports it
-        else:
-            raise RuntimeError(f"unknown worker command {kind!r}")
+        match command:
+            case Stop():
+                return False
+            case AllocateKVCaches(num_blocks, block_size):
+                self.table = None
+                self.pipeline.allocate_kv_caches(num_blocks, block_size)
+            case BindRowTable(geometry, roles):
+                self.table = WorkerRowTable(**geometry, registered_roles=set(roles), device=self.pipeline.device)
+                self.pipeline.bind_row_table(self.table)
+            case AllocateKVCachesFor(refs, block_size):
+                self.table = None
+                self.pipeline.allocate_kv_caches_for(self._jobs(refs), block_size)
+            case Start(refs, ops, live):
+                self._replay(ops, live)
+                self.pipeline.start(self._jobs(refs))
+            case Step(refs, ops, live):
+                self._replay(ops, live)
+                self.pipeline.step(self._jobs(refs))
         return True
 
 
@@ -491,8 +508,10 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_server.workers",
-                                     description="One rank of omni-server's worker group (started by the engine).")
+    parser = argparse.ArgumentParser(
+        prog="python -m omni_server.workers",
+        description="One rank of omni-server's worker group (started by the engine).",
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
@@ -501,8 +520,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops its workers; Ctrl-C reaches it
     config = msgspec.msgpack.decode(base64.b64decode(args.config), type=ServerConfig)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [worker {args.rank}] %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format=f"%(asctime)s %(levelname)s [worker {args.rank}] %(message)s"
+    )
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", args.port, config.world_size, is_master=False, timeout=_STORE_TIMEOUT)
@@ -511,11 +531,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=control)
-        if not worker.handle(box[0]):
+        if not worker.handle(_DECODER.decode(box[0])):
             break
-    from dlo_offload import destroy_model_parallel
-
-    destroy_model_parallel()
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,116 @@
+"""The checks before anything starts: the model's metadata, what it can do, and the libraries' own rules.
+
+``check_startup`` runs in the CLI before ``serve`` spawns its engine and before ``generate`` loads anything. It
+reads the model through ``omni_models.inspect`` (configs and safetensors headers, no tensor data, no device), then
+asks each library whether the flags make sense together: ``omni_models.registry.check_load_options`` (FP8 and
+offload options), ``dlo_offload.check_allgather_plan`` (resident blocks and AllGather), the model's capabilities
+(``ModelSpec.capabilities``) and the visible devices. A failure is a ``ConfigError`` naming the flags.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omni_server.config import ConfigError, ServerConfig
+
+if TYPE_CHECKING:
+    from omni_models import ModelSpec
+
+
+def load_options(config: ServerConfig) -> dict[str, object]:
+    """``omni_models.load`` keyword arguments of the config (device and dtype are resolved by the caller)."""
+    return dict(
+        quantization=config.quantization,
+        fp8_cache_dir=config.fp8_cache_dir,
+        layerwise_offload=config.enable_layerwise_offload,
+        offload_resident_blocks=config.offload_resident_blocks,
+        offload_allgather=config.offload_allgather,
+    )
+
+
+# The flag behind each option name a library's message may use (load's options, dlo_offload's plan).
+_FLAGS = {
+    "quantization": "--quantization",
+    "fp8_cache_dir": "--fp8-cache-dir",
+    "layerwise_offload": "--enable-layerwise-offload",
+    "resident_blocks": "--offload-resident-blocks",
+    "allgather": "--offload-allgather",
+}
+
+
+def _library_rule(error: ValueError, config: ServerConfig) -> ConfigError:
+    """A library's refusal, followed by the flags of the options it names that were given or that it asks for."""
+    message = str(error)
+    asked = " ".join(message.split("needs ", 1)[1:] + message.split("turn on ", 1)[1:])
+    given = {
+        "quantization": config.quantization is not None,
+        "fp8_cache_dir": config.fp8_cache_dir is not None,
+        "layerwise_offload": config.enable_layerwise_offload,
+        "resident_blocks": config.offload_resident_blocks > 0,
+        "allgather": config.offload_allgather,
+    }
+    flags = [flag for option, flag in _FLAGS.items() if option in message and (given[option] or option in asked)]
+    return ConfigError(f"{message} ({', '.join(flags)})" if flags else message)
+
+
+def check_devices(config: ServerConfig) -> None:
+    """A CUDA device must be visible for ``--device cuda``; with several ranks, exactly one GPU per rank."""
+    device = config.resolved_device()
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        raise ConfigError(f"--device {device}: no CUDA device is visible on this machine; use --device cpu (or auto)")
+    world = config.world_size
+    if world > 1:
+        if available != world:
+            raise ConfigError(
+                f"--cfg-parallel-size {config.cfg_parallel_size} x --sequence-parallel-size "
+                f"{config.sequence_parallel_size} = {world} ranks, but {available} CUDA device(s) are visible; one "
+                f"rank runs per GPU, so make CUDA_VISIBLE_DEVICES list exactly {world}"
+            )
+        if device != "cuda":
+            raise ConfigError(
+                f"--device {device} names one GPU, but {world} ranks use one GPU each; pass --device cuda"
+            )
+    elif ":" in device and int(device.split(":")[1]) >= available:
+        raise ConfigError(f"--device {device}: only {available} CUDA device(s) are visible")
+
+
+def check_startup(config: ServerConfig) -> ModelSpec:
+    """Everything that can be checked before loading; returns the model's ``ModelSpec``.
+
+    Raises ``ConfigError`` (flags), ``omni_models.CheckpointError`` (a bad checkpoint: the file and the problem) or
+    ``omni_models.InvalidRequestError`` (a model name that resolves to nothing).
+    """
+    import omni_models
+    from dlo_offload import check_allgather_plan
+    from omni_models.registry import check_load_options
+
+    try:
+        check_load_options(**load_options(config))
+        check_allgather_plan(config.offload_resident_blocks, use_allgather=config.offload_allgather)
+    except ValueError as exc:
+        raise _library_rule(exc, config) from None
+    spec = omni_models.inspect(config.model)
+    capabilities, variant = spec.capabilities, spec.info.variant
+    for given, able, flag in (
+        (config.quantization is not None, capabilities.fp8, "--quantization"),
+        (config.enable_layerwise_offload, capabilities.layerwise_offload, "--enable-layerwise-offload"),
+        (config.offload_allgather, capabilities.offload_allgather, "--offload-allgather"),
+        (config.cfg_parallel_size > 1, capabilities.cfg_parallel, "--cfg-parallel-size"),
+        (config.sequence_parallel_size > 1, capabilities.sequence_parallel, "--sequence-parallel-size"),
+    ):
+        if given and not able:
+            raise ConfigError(f"{flag}: {variant} ({spec.kind}) does not support it; drop {flag}")
+    if config.sequence_parallel_size > 1:
+        from omni_models.parallel import check_sequence_parallel
+
+        try:
+            check_sequence_parallel(capabilities.attention_heads or 1, config.sequence_parallel_size)
+        except ValueError as exc:
+            raise ConfigError(f"--sequence-parallel-size: {exc}") from None
+    check_devices(config)
+    return spec
