@@ -22,33 +22,47 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
+    from omni_models import GenerationRequest, resolve_request
     from omni_server.config import build_config
     from omni_server.engine import build_engine
-    from omni_server.protocol import GenerationParams, RequestFinished
+    from omni_server.protocol import RequestFinished
 
     prompt = "a red circle at the top left on a blue background"
+
+    def run(engine, request_id: str, n: int, seed: int) -> tuple[list[bytes], float]:
+        started = time.monotonic()
+        request = GenerationRequest(prompt=prompt, n=n, num_inference_steps=args.steps, guidance_scale=4.0, seed=seed)
+        engine.add(request_id, resolve_request(engine.info, request))
+        images: list[bytes] = []
+        while engine.has_work():
+            images += [image for o in engine.step() if isinstance(o, RequestFinished) for image in o.outputs]
+        return images, time.monotonic() - started
+
     results: dict[str, dict] = {}
     for invariant in (False, True):
-        engine = build_engine(build_config(None, device=args.device, max_num_seqs=4, batch_invariant=invariant,
-                                           max_rows_per_step=0, kv_cache_memory_bytes="48M", warmup=False))
-
-        def run(request_id: str, n: int, seed: int) -> tuple[list[bytes], float]:
-            started = time.monotonic()
-            engine.add(request_id, GenerationParams(prompt=prompt, n=n, num_inference_steps=args.steps,
-                                                    guidance_scale=4.0, seed=seed))
-            images: list[bytes] = []
-            while engine.has_work():
-                images += [image for o in engine.step() if isinstance(o, RequestFinished) for image in o.images]
-            return images, time.monotonic() - started
-
-        run("warm", 10, 0)
-        batched, seconds = run("batched", 10, 100)
-        singles = [run(f"single-{i}", 1, 100 + i)[0][0] for i in range(10)]
+        engine = build_engine(
+            build_config(
+                None,
+                device=args.device,
+                max_num_seqs=4,
+                batch_invariant=invariant,
+                max_rows_per_step=0,
+                kv_cache_memory_bytes="48M",
+                warmup=False,
+            )
+        )
+        run(engine, "warm", 10, 0)
+        batched, seconds = run(engine, "batched", 10, 100)
+        singles = [run(engine, f"single-{i}", 1, 100 + i)[0][0] for i in range(10)]
         engine.close()
         name = "batch_invariant" if invariant else "batched"
-        results[name] = {"seconds": seconds, "equal_to_single": sum(a == b for a, b in zip(batched, singles))}
-        print(f"{name:16s} n=10, {args.steps} steps: {seconds:.2f} s; images equal to single-request: "
-              f"{results[name]['equal_to_single']}/10", flush=True)
+        equal = sum(a == b for a, b in zip(batched, singles, strict=True))
+        results[name] = {"seconds": seconds, "equal_to_single": equal}
+        print(
+            f"{name:16s} n=10, {args.steps} steps: {seconds:.2f} s; images equal to single-request: "
+            f"{results[name]['equal_to_single']}/10",
+            flush=True,
+        )
     results["cost"] = results["batch_invariant"]["seconds"] / results["batched"]["seconds"]
     print(f"--batch-invariant costs {results['cost']:.2f}x the batched time")
     if args.out is not None:

@@ -258,10 +258,12 @@ def main() -> None:
             }
             # Each lockstep run pairs the two sides under the same load: the ratio is taken per run.
             cpu_ratios = [
-                p["cpu_us_per_step"] / u["cpu_us_per_step"] for p, u in zip(runs["patched"], runs["unpatched"])
+                p["cpu_us_per_step"] / u["cpu_us_per_step"]
+                for p, u in zip(runs["patched"], runs["unpatched"], strict=True)
             ]
             wall_ratios = [
-                p["wall_us_per_step"] / u["wall_us_per_step"] for p, u in zip(runs["patched"], runs["unpatched"])
+                p["wall_us_per_step"] / u["wall_us_per_step"]
+                for p, u in zip(runs["patched"], runs["unpatched"], strict=True)
             ]
             cpu_ratio, wall_ratio = statistics.median(cpu_ratios), statistics.median(wall_ratios)
             results[kind] = summary | {

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from omni_models.training.scorer import adherence, read_scenes  # noqa: E402
 from omni_models.training.shapes import split_scenes  # noqa: E402
 from omni_server.config import build_config  # noqa: E402
-from omni_server.loader import load_pipeline  # noqa: E402
+from omni_server.engine import load_pipeline  # noqa: E402
 
 VARIANTS: dict[str, dict[str, object]] = {
     "paged": {},
@@ -90,17 +90,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "prompts": args.prompts, "steps": args.steps, "guidance": 4.0,
+        "torch": torch.__version__,
+        "prompts": args.prompts,
+        "steps": args.steps,
+        "guidance": 4.0,
         "variants": results,
         "offload_exact": results["offload"]["max_pixel_diff"] == 0.0,
     }
     print(f"omni-shapes-tiny on {summary['device']}, {args.prompts} held-out prompts, {args.steps} steps, guidance 4")
-    print(f"{'variant':<12} {'attributes':>10} {'scene':>6} {'call s':>8} {'peak MiB':>9} {'max|dpx|':>9} {'mean|dpx|':>10}")
+    print(
+        f"{'variant':<12} {'attributes':>10} {'scene':>6} {'call s':>8} {'peak MiB':>9} "
+        f"{'max|dpx|':>9} {'mean|dpx|':>10}"
+    )
     for name, result in results.items():
         score = result["adherence"]
-        print(f"{name:<12} {score['attributes']:>10.3f} {score['scene']:>6.3f} {result['seconds']:>8.3f} "
-              f"{result.get('peak_device_mib', float('nan')):>9.1f} {result['max_pixel_diff']:>9.0f} "
-              f"{result['mean_pixel_diff']:>10.3f}")
+        print(
+            f"{name:<12} {score['attributes']:>10.3f} {score['scene']:>6.3f} {result['seconds']:>8.3f} "
+            f"{result.get('peak_device_mib', float('nan')):>9.1f} {result['max_pixel_diff']:>9.0f} "
+            f"{result['mean_pixel_diff']:>10.3f}"
+        )
     print(f"offload draws the baseline's pixels exactly: {summary['offload_exact']}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "composed_pipeline.json").write_text(json.dumps(summary, indent=1))

@@ -31,8 +31,11 @@ BODY = {"prompt": "a red circle at the top left on a blue background", "num_infe
 
 
 def settings(cpus: int) -> dict[str, dict[str, str]]:
-    return {"budget": {}, "omp1": {"OMP_NUM_THREADS": "1"},
-            "spinning": {"OMP_NUM_THREADS": str(cpus), "OMP_WAIT_POLICY": "ACTIVE"}}
+    return {
+        "budget": {},
+        "omp1": {"OMP_NUM_THREADS": "1"},
+        "spinning": {"OMP_NUM_THREADS": str(cpus), "OMP_WAIT_POLICY": "ACTIVE"},
+    }
 
 
 def time_requests(port: int, count: int) -> list[float]:
@@ -50,14 +53,31 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     args = parser.parse_args()
     cpus = len(os.sched_getaffinity(0))
-    base_env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
-                                                                                "MKL_NUM_THREADS")}
+    base_env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
+    }
     results: dict[str, dict] = {"cpus_in_affinity": cpus}
     for name, extra in settings(cpus).items():
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "omni_server", "serve", "--device", "cpu", "--port", str(port),
-                                   "--kv-cache-memory-bytes", "16M"], env={**base_env, **extra},
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "omni_server",
+                "serve",
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--kv-cache-memory-bytes",
+                "16M",
+            ],
+            env={**base_env, **extra},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         hogs: list[subprocess.Popen] = []
         try:
             wait_healthy(port, server, 300)
@@ -72,11 +92,19 @@ def main() -> int:
                 hog.wait()
             server.terminate()
             server.wait(60)
-        results[name] = {"env": extra, "idle_s": idle, "contended_s": contended,
-                         "idle_median_s": statistics.median(idle), "contended_median_s": statistics.median(contended),
-                         "contended_max_s": max(contended)}
-        print(f"{name:9s} idle median {results[name]['idle_median_s']:.2f} s; beside {cpus} busy processes median "
-              f"{results[name]['contended_median_s']:.2f} s, max {results[name]['contended_max_s']:.2f} s", flush=True)
+        results[name] = {
+            "env": extra,
+            "idle_s": idle,
+            "contended_s": contended,
+            "idle_median_s": statistics.median(idle),
+            "contended_median_s": statistics.median(contended),
+            "contended_max_s": max(contended),
+        }
+        print(
+            f"{name:9s} idle median {results[name]['idle_median_s']:.2f} s; beside {cpus} busy processes median "
+            f"{results[name]['contended_median_s']:.2f} s, max {results[name]['contended_max_s']:.2f} s",
+            flush=True,
+        )
     ratio = results["budget"]["contended_median_s"] / results["omp1"]["contended_median_s"]
     results["budget_over_omp1_contended"] = ratio
     print(f"contended median, engine budget / OMP_NUM_THREADS=1: {ratio:.2f}x")

@@ -27,7 +27,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).parent))
 from paged_attention import Shape, sdpa_layout  # noqa: E402
 
-from diffusion_kv import PagedAttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
+from diffusion_kv import PagedAttentionMetadata, paged_attention  # noqa: E402
 from diffusion_kv.ops import cudnn_paged, sdpa_gather  # noqa: E402
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("probe_out")
@@ -51,9 +51,13 @@ def save():
 def env():
     import cudnn
 
-    results["env"] = {"frontend": cudnn.__version__, "backend": cudnn.backend_version(),
-                      "torch_cudnn": torch.backends.cudnn.version(), "torch": torch.__version__,
-                      "reason": cudnn_paged.frontend_missing_reason()}
+    results["env"] = {
+        "frontend": cudnn.__version__,
+        "backend": cudnn.backend_version(),
+        "torch_cudnn": torch.backends.cudnn.version(),
+        "torch": torch.__version__,
+        "reason": cudnn_paged.frontend_missing_reason(),
+    }
     print(results["env"], flush=True)
 
 
@@ -83,19 +87,25 @@ def shape_case(seq_len: int, page: int, gen):
             (graph_entry,) = cudnn_paged._graphs.values()
             err = (out.float() - shape.reference).abs().max().item()
             run = bench(lambda: cudnn_paged.paged_attention(*args))
-            run.update(first_call_s=first, max_abs_err=err, written=bool(not out.isnan().any()),
-                       plan=graph_entry.plan_index, plans=graph_entry.graph.get_execution_plan_count(),
-                       ratio_vs_torch_cudnn=base / run["ms_median"])
+            run.update(
+                first_call_s=first,
+                max_abs_err=err,
+                written=bool(not out.isnan().any()),
+                plan=graph_entry.plan_index,
+                plans=graph_entry.graph.get_execution_plan_count(),
+                ratio_vs_torch_cudnn=base / run["ms_median"],
+            )
             entry[label] = run
-        except Exception as exc:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             entry[label] = {"error": traceback.format_exc()[-3000:]}
             print(entry[label]["error"], flush=True)
     entry["sdpa_gather"] = bench(lambda: sdpa_gather.paged_attention(*args))
     entry["sdpa_gather"]["ratio_vs_torch_cudnn"] = base / entry["sdpa_gather"]["ms_median"]
     entry["flops"] = shape.flops
     results["shapes"].append(entry)
-    summary = {k: (v.get("ms_median"), v.get("ratio_vs_torch_cudnn")) if isinstance(v, dict) else v
-               for k, v in entry.items()}
+    summary = {
+        k: (v.get("ms_median"), v.get("ratio_vs_torch_cudnn")) if isinstance(v, dict) else v for k, v in entry.items()
+    }
     print(summary, flush=True)
     save()
 
@@ -107,8 +117,13 @@ def dit_case(gen):
     perm = torch.randperm(rows * blocks + 8, generator=gen)[: rows * blocks]
     tables = perm.view(rows, blocks).to("cuda", torch.int32)
     cache = torch.randn(rows * blocks + 8, 2, page, heads, d, generator=gen).to("cuda", torch.bfloat16)
-    meta = PagedAttentionMetadata.build(tables, block_size=page, query_lens=[q_len] * rows, seq_lens=[kv_len] * rows,
-                                        query_pos_start=[kv_len - q_len] * rows)
+    meta = PagedAttentionMetadata.build(
+        tables,
+        block_size=page,
+        query_lens=[q_len] * rows,
+        seq_lens=[kv_len] * rows,
+        query_pos_start=[kv_len - q_len] * rows,
+    )
     qkv = torch.randn(rows * q_len, 3, heads, d, generator=gen).to("cuda", torch.bfloat16)
     query = qkv[:, 0]  # a view of packed QKV: token stride 3 * heads * d
     entry = {"case": "dit_layer"}
@@ -117,9 +132,12 @@ def dit_case(gen):
         ("triton", lambda: paged_attention(query, cache, meta, backend="triton")),
         ("auto", lambda: paged_attention(query, cache, meta)),
         ("sdpa_gather", lambda: paged_attention(query, cache, meta, backend="sdpa")),
-        ("cudnn_paged", lambda: cudnn_paged.paged_attention(query, cache, meta, d ** -0.5,
-                                                            torch.empty(query.shape, dtype=query.dtype,
-                                                                        device="cuda"))),
+        (
+            "cudnn_paged",
+            lambda: cudnn_paged.paged_attention(
+                query, cache, meta, d**-0.5, torch.empty(query.shape, dtype=query.dtype, device="cuda")
+            ),
+        ),
     ):
         try:
             result = fn()
@@ -146,8 +164,9 @@ def checks(gen):
     }
     for name, (rows, heads, kv_heads, d, page) in cases.items():
         try:
-            args, *_ = build_paged_rows(rows, heads, kv_heads, d, page, torch.bfloat16, seed=11, device="cuda",
-                                        backend="triton", spare_blocks=5)
+            args, *_ = build_paged_rows(
+                rows, heads, kv_heads, d, page, torch.bfloat16, seed=11, device="cuda", backend="triton", spare_blocks=5
+            )
             reason = cudnn_paged.unsupported_reason(*args)
             ref = paged_attention(*args, backend="torch")
             if reason is not None:
@@ -155,19 +174,19 @@ def checks(gen):
                 continue
             res = torch.full_like(args[0], float("nan"))
             cudnn_paged.paged_attention(args[0], args[1], args[2], args[0].shape[2] ** -0.5, res)
-            out[name] = {"max_abs_err": (res.float() - ref.float()).abs().max().item(),
-                         "nan": bool(res.isnan().any())}
+            out[name] = {"max_abs_err": (res.float() - ref.float()).abs().max().item(), "nan": bool(res.isnan().any())}
         except Exception:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc()[-2500:]}
     try:  # capture in a CUDA graph, replay with new data
-        args, *_ = build_paged_rows([(0, 256), (0, 256)], 8, 8, 128, 64, torch.bfloat16, seed=3, device="cuda",
-                                    backend="triton")
+        args, *_ = build_paged_rows(
+            [(0, 256), (0, 256)], 8, 8, 128, 64, torch.bfloat16, seed=3, device="cuda", backend="triton"
+        )
         query, cache, meta = args
         res = torch.empty_like(query)
-        cudnn_paged.paged_attention(query, cache, meta, 128 ** -0.5, res)  # warm: graph built, plan picked
+        cudnn_paged.paged_attention(query, cache, meta, 128**-0.5, res)  # warm: graph built, plan picked
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            cudnn_paged.paged_attention(query, cache, meta, 128 ** -0.5, res)
+            cudnn_paged.paged_attention(query, cache, meta, 128**-0.5, res)
         query.copy_(torch.randn_like(query))
         graph.replay()
         torch.cuda.synchronize()
@@ -184,11 +203,30 @@ def sweep(gen):
     """Extra Triton tile configs, bf16 and FP8, at S 16k/32k."""
     from diffusion_kv.ops import triton_flash
 
-    bf16_cfgs = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5), (128, 128, 4, 3), (256, 64, 8, 3),
-                 (256, 128, 8, 2), (256, 128, 8, 3), (128, 128, 8, 3)]
-    fp8_cfgs = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 4, 4),
-                (256, 64, 8, 3), (256, 128, 8, 2), (256, 128, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4),
-                (128, 256, 8, 2), (256, 256, 8, 2)]
+    bf16_cfgs = [
+        (128, 64, 4, 3),
+        (128, 64, 4, 4),
+        (128, 64, 4, 5),
+        (128, 128, 4, 3),
+        (256, 64, 8, 3),
+        (256, 128, 8, 2),
+        (256, 128, 8, 3),
+        (128, 128, 8, 3),
+    ]
+    fp8_cfgs = [
+        (128, 64, 4, 3),
+        (128, 64, 4, 4),
+        (128, 64, 4, 5),
+        (128, 128, 4, 3),
+        (128, 128, 4, 4),
+        (256, 64, 8, 3),
+        (256, 128, 8, 2),
+        (256, 128, 8, 3),
+        (128, 128, 8, 3),
+        (64, 64, 4, 4),
+        (128, 256, 8, 2),
+        (256, 256, 8, 2),
+    ]
     rows = []
     for seq_len in (16384, 32768):
         for page in (64, 256):
@@ -200,8 +238,9 @@ def sweep(gen):
                     continue
                 cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
                 try:
-                    fn = lambda cfg=cfg: triton_flash.paged_attention(shape.query, shape.kv_cache, shape.metadata,
-                                                                     shape.scale, out, config=cfg)
+                    fn = lambda cfg=cfg, shape=shape: triton_flash.paged_attention(
+                        shape.query, shape.kv_cache, shape.metadata, shape.scale, out, config=cfg
+                    )
                     fn()
                     err = (out.float() - shape.reference).abs().max().item()
                     ms = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
@@ -214,8 +253,9 @@ def sweep(gen):
                     continue
                 cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
                 try:
-                    fn = lambda cfg=cfg: triton_flash.paged_attention_fp8(query, q_scale, cache, k_scale, v_scale,
-                                                                         shape.metadata, shape.scale, out, config=cfg)
+                    fn = lambda cfg=cfg, shape=shape, cache=cache: triton_flash.paged_attention_fp8(
+                        query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=cfg
+                    )
                     fn()
                     err = ((out.float() - shape.reference).norm() / shape.reference.norm()).item()
                     ms = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
@@ -236,12 +276,16 @@ def host_overhead(gen):
     blocks = kv_len // page
     tables = torch.randperm(rows * blocks, generator=gen).view(rows, blocks).to("cuda", torch.int32)
     cache = torch.randn(rows * blocks, 2, page, heads, d, generator=gen).to("cuda", torch.bfloat16)
-    meta = PagedAttentionMetadata.build(tables, block_size=page, query_lens=[q_len] * rows, seq_lens=[kv_len] * rows,
-                                        query_pos_start=[kv_len - q_len] * rows)
+    meta = PagedAttentionMetadata.build(
+        tables,
+        block_size=page,
+        query_lens=[q_len] * rows,
+        seq_lens=[kv_len] * rows,
+        query_pos_start=[kv_len - q_len] * rows,
+    )
     query = torch.randn(rows * q_len, heads, d, generator=gen).to("cuda", torch.bfloat16)
     out = torch.empty_like(query)
     entry = {}
-    import cudnn
 
     for label, fn in (
         ("triton", lambda: paged_attention(query, cache, meta, out=out, backend="triton")),
@@ -280,8 +324,12 @@ def _graph(shape, paged: bool, implementation: str):
 
     io = cudnn.data_type.BFLOAT16
     handle = cudnn_paged._handle(torch.device("cuda"))
-    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    graph = cudnn.pygraph(
+        io_data_type=io,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        handle=handle,
+    )
     b, s_len, h, d = shape.q.shape
     tok = h * d
     q = graph.tensor(name="q", dim=[b, h, s_len, d], stride=[s_len * tok, d, tok, 1], data_type=io)
@@ -299,10 +347,22 @@ def _graph(shape, paged: bool, implementation: str):
         skv = graph.tensor(name="skv", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
         lens = torch.full((b, 1, 1, 1), s_len, dtype=torch.int32, device="cuda")
         half = page * hk * d * 2
-        buffers.update(k=shape.kv_cache.data_ptr(), v=shape.kv_cache.data_ptr() + half, kt=shape.block_tables,
-                       vt=shape.block_tables, sq=lens, skv=lens)
-        kw.update(use_padding_mask=True, seq_len_q=sq, seq_len_kv=skv, paged_attention_k_table=kt,
-                  paged_attention_v_table=vt, paged_attention_max_seq_len_kv=s_len)
+        buffers.update(
+            k=shape.kv_cache.data_ptr(),
+            v=shape.kv_cache.data_ptr() + half,
+            kt=shape.block_tables,
+            vt=shape.block_tables,
+            sq=lens,
+            skv=lens,
+        )
+        kw.update(
+            use_padding_mask=True,
+            seq_len_q=sq,
+            seq_len_kv=skv,
+            paged_attention_k_table=kt,
+            paged_attention_v_table=vt,
+            paged_attention_max_seq_len_kv=s_len,
+        )
         named = {"q": q, "k": k, "v": v, "kt": kt, "vt": vt, "sq": sq, "skv": skv}
     else:
         k = graph.tensor(name="k", dim=[b, h, s_len, d], stride=[s_len * tok, d, tok, 1], data_type=io)
@@ -324,8 +384,6 @@ def engines(gen):
     """Every cuDNN engine and knob setting for dense and paged SDPA, each timed: does any beat torch's pick?"""
     import itertools
 
-    import cudnn
-
     rows = []
     for seq_len, page in ((4096, 64), (16384, 64), (16384, 256)):
         shape = Shape(max(1, 16384 // seq_len), seq_len, page, 24, 128, torch.bfloat16, "cuda", gen)
@@ -333,8 +391,9 @@ def engines(gen):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            torch_ms = float(do_bench(lambda: F.scaled_dot_product_attention(q, k, v), warmup=25, rep=100,
-                                      return_mode="median"))
+            torch_ms = float(
+                do_bench(lambda: F.scaled_dot_product_attention(q, k, v), warmup=25, rep=100, return_mode="median")
+            )
         entry = {"S": seq_len, "page": page, "torch_cudnn_ms": torch_ms, "configs": []}
         for paged, impl in ((False, "AUTO"), (True, "AUTO"), (False, "UNIFIED"), (True, "UNIFIED")):
             label = f"{'paged' if paged else 'dense'}/{impl}"
@@ -349,8 +408,10 @@ def engines(gen):
                     knobs = graph.get_knobs_for_engine(engine)
                 except Exception:  # noqa: BLE001
                     continue
-                ranges = [[(kn.type, value) for value in range(kn.min_value, kn.max_value + 1, max(kn.stride, 1))]
-                          for kn in knobs]
+                ranges = [
+                    [(kn.type, value) for value in range(kn.min_value, kn.max_value + 1, max(kn.stride, 1))]
+                    for kn in knobs
+                ]
                 combos = list(itertools.product(*ranges)) if ranges else [()]
                 for combo in combos[:48]:
                     candidates.append((engine, dict(combo)))
@@ -368,20 +429,29 @@ def engines(gen):
                     continue
                 try:
                     graph.build_plan_at_index(index)
-                    ws = torch.empty(max(graph.get_workspace_size_plan_at_index(index), 1), dtype=torch.uint8,
-                                     device="cuda")
+                    ws = torch.empty(
+                        max(graph.get_workspace_size_plan_at_index(index), 1), dtype=torch.uint8, device="cuda"
+                    )
                     fn = lambda index=index, ws=ws: graph.execute_plan_at_index(pack, ws, index, handle=handle)
                     fn()
                     torch.cuda.synchronize()
                     err = (out.reshape(-1, 24, 128).float() - shape.reference).abs().max().item()
                     ms = float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
-                    timed.append({"name": graph.get_plan_name_at_index(index), "ms": ms,
-                                  "x_torch": torch_ms / ms, "err": err})
+                    timed.append(
+                        {"name": graph.get_plan_name_at_index(index), "ms": ms, "x_torch": torch_ms / ms, "err": err}
+                    )
                 except Exception as exc:  # noqa: BLE001
                     timed.append({"index": index, "error": str(exc).splitlines()[0][:160]})
             ok = sorted((t for t in timed if "ms" in t), key=lambda t: t["ms"])
-            entry["configs"].append({"variant": label, "candidates": len(candidates), "plans": count,
-                                     "best": ok[:5], "failed": len(timed) - len(ok)})
+            entry["configs"].append(
+                {
+                    "variant": label,
+                    "candidates": len(candidates),
+                    "plans": count,
+                    "best": ok[:5],
+                    "failed": len(timed) - len(ok),
+                }
+            )
             print(label, seq_len, page, "plans", count, "best", ok[:3], flush=True)
         rows.append(entry)
         results["engines"] = rows
@@ -400,11 +470,11 @@ def build_time(gen):
         out = torch.empty_like(args[0])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        cudnn_paged.paged_attention(args[0], args[1], args[2], 128 ** -0.5, out)
+        cudnn_paged.paged_attention(args[0], args[1], args[2], 128**-0.5, out)
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        cudnn_paged.paged_attention(args[0], args[1], args[2], 128 ** -0.5, out)
+        cudnn_paged.paged_attention(args[0], args[1], args[2], 128**-0.5, out)
         torch.cuda.synchronize()
         rows_out.append({"rows": rows, "first_call_s": first, "cached_call_s": time.perf_counter() - t0})
     results["build_time"] = rows_out
@@ -418,12 +488,26 @@ def gather_output(gen):
     for seq_len in (4096, 16384):
         shape = Shape(max(1, 16384 // seq_len), seq_len, 64, 24, 128, torch.bfloat16, "cuda", gen)
         out = torch.empty_like(shape.query)
-        with_out = bench(lambda: paged_attention(shape.query, shape.kv_cache, shape.metadata, out=out, backend="sdpa"))
-        without = bench(lambda: paged_attention(shape.query, shape.kv_cache, shape.metadata, backend="sdpa"))
+        with_out = bench(
+            lambda shape=shape, out=out: paged_attention(
+                shape.query, shape.kv_cache, shape.metadata, out=out, backend="sdpa"
+            )
+        )
+        without = bench(
+            lambda shape=shape: paged_attention(shape.query, shape.kv_cache, shape.metadata, backend="sdpa")
+        )
         same = torch.equal(paged_attention(shape.query, shape.kv_cache, shape.metadata, backend="sdpa"), out)
-        rows.append({"S": seq_len, "with_out_ms": with_out["ms_median"], "without_out_ms": without["ms_median"],
-                     "speedup": with_out["ms_median"] / without["ms_median"], "bitwise_equal": same,
-                     "with_out": with_out, "without_out": without})
+        rows.append(
+            {
+                "S": seq_len,
+                "with_out_ms": with_out["ms_median"],
+                "without_out_ms": without["ms_median"],
+                "speedup": with_out["ms_median"] / without["ms_median"],
+                "bitwise_equal": same,
+                "with_out": with_out,
+                "without_out": without,
+            }
+        )
         print({k: v for k, v in rows[-1].items() if not isinstance(v, dict)}, flush=True)
         del shape
     results["gather_output"] = rows

@@ -105,6 +105,7 @@ def check_allgather(group: dist.ProcessGroup, device: torch.device, hidden: int,
                 same_meta = (g.dtype, g.shape, g.stride()) == (w.dtype, w.shape, w.stride())
                 if not same_meta or tensor_bytes(g) != tensor_bytes(w):
                     mismatches.append(f"blocks.{index}.{name}")
+
         return hook
 
     hooks = [model.blocks[i].register_forward_pre_hook(checker(i)) for i in range(blocks)]
@@ -116,17 +117,21 @@ def check_allgather(group: dist.ProcessGroup, device: torch.device, hidden: int,
     for h in hooks:
         h.remove()
     result = {
-        "mode": handle.mode, "mismatched_tensors": mismatches, "outputs_equal": outputs_equal,
+        "mode": handle.mode,
+        "mismatched_tensors": mismatches,
+        "outputs_equal": outputs_equal,
         "fp8_weight_stride": list(reference.blocks[0].proj.weight.stride()),
-        "host_bytes": handle.host_nbytes, "slot_bytes": handle.slot_nbytes,
+        "host_bytes": handle.host_nbytes,
+        "slot_bytes": handle.slot_nbytes,
     }
     handle.remove()
     result["restored_equal"] = all(
         tensor_bytes(a) == tensor_bytes(b) and a.stride() == b.stride()
-        for a, b in zip(model.state_dict().values(), reference.state_dict().values())
+        for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True)
     )
-    result["pass"] = (result["mode"] == "allgather" and not mismatches and all(outputs_equal)
-                      and result["restored_equal"])
+    result["pass"] = (
+        result["mode"] == "allgather" and not mismatches and all(outputs_equal) and result["restored_equal"]
+    )
     return result
 
 
@@ -170,11 +175,14 @@ def main() -> None:
 
     wave_group = dist.new_group([0, 1], backend="gloo")
     coordinator = DPWaveCoordinator(wave_group, timeout_s=60)
-    refused, _ = expect(WaveRefusedError, coordinator.form_wave, WaveRequest(f"req-{rank}", 4 if rank == 0 else 6, "a cat"))
+    refused, _ = expect(
+        WaveRefusedError, coordinator.form_wave, WaveRequest(f"req-{rank}", 4 if rank == 0 else 6, "a cat")
+    )
     later = [r.request_id for r in coordinator.form_wave(WaveRequest(f"ok-{rank}", 4, "a cat"))]
     rows = gather_rows({"error": refused, "later_wave": later})
     checks["wave_refused_mismatched_steps"] = {
-        "pass": all("got [4, 6]" in r["error"] for r in rows) and rows[0]["error"] == rows[1]["error"]
+        "pass": all("got [4, 6]" in r["error"] for r in rows)
+        and rows[0]["error"] == rows[1]["error"]
         and all(r["later_wave"] == ["ok-0", "ok-1"] for r in rows),
         "per_rank": rows,
     }
@@ -189,23 +197,33 @@ def main() -> None:
     error, elapsed = expect(WaveFailedError, timed.form_wave, WaveRequest("late", 4, "x"))
     again, again_elapsed = expect(WaveFailedError, timed.form_wave, WaveRequest("again", 4, "x"))
     checks["wave_timeout_fails_closed"] = {
-        "pass": "timed out after" in error and args.timeout * 0.95 <= elapsed < args.timeout + 2.0
-        and "failed closed earlier" in again and again_elapsed < 0.1,
-        "error": error, "elapsed_s": elapsed, "later_error": again, "later_elapsed_s": again_elapsed,
+        "pass": "timed out after" in error
+        and args.timeout * 0.95 <= elapsed < args.timeout + 2.0
+        and "failed closed earlier" in again
+        and again_elapsed < 0.1,
+        "error": error,
+        "elapsed_s": elapsed,
+        "later_error": again,
+        "later_elapsed_s": again_elapsed,
     }
     dying = DPWaveCoordinator(death_group, timeout_s=30.0)
     error, elapsed = expect(WaveFailedError, dying.form_wave, WaveRequest("orphan", 4, "x"))
     checks["wave_peer_death_fails_closed"] = {
-        "pass": error != "<no error>" and elapsed < 30.0, "error": error, "elapsed_s": elapsed, "timeout_s": 30.0,
+        "pass": error != "<no error>" and elapsed < 30.0,
+        "error": error,
+        "elapsed_s": elapsed,
+        "timeout_s": 30.0,
     }
 
     print(f"dlo_nccl_check  backend={backend} world={world} device={device}")
     for name, check in checks.items():
         detail = {k: v for k, v in check.items() if k not in ("pass", "per_rank")}
         if name == "allgather_byte_exact":
-            detail = {"mismatched": [r["mismatched_tensors"] for r in check["per_rank"]],
-                      "outputs_equal": [r["outputs_equal"] for r in check["per_rank"]],
-                      "host_bytes_per_rank": check["per_rank"][0]["host_bytes"]}
+            detail = {
+                "mismatched": [r["mismatched_tensors"] for r in check["per_rank"]],
+                "outputs_equal": [r["outputs_equal"] for r in check["per_rank"]],
+                "host_bytes_per_rank": check["per_rank"][0]["host_bytes"],
+            }
         print(f"{'PASS' if check['pass'] else 'FAIL'}  {name:<32} {json.dumps(detail, default=str)[:300]}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -153,8 +153,11 @@ def run_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     results: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "device": str(device)}
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
-    cases = [("compute_bound_b1", args.tokens, 1), ("compute_bound_b2", args.tokens, 2),
-             ("transfer_bound", args.small_tokens, 1)]
+    cases = [
+        ("compute_bound_b1", args.tokens, 1),
+        ("compute_bound_b2", args.tokens, 2),
+        ("transfer_bound", args.small_tokens, 1),
+    ]
     model = build_model(args, device, dtype)
     resident_ms, expected = {}, {}
     with torch.inference_mode():
@@ -175,13 +178,20 @@ def run_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     block_h2d_ms = pinned_h2d_ms(handle.host_block_buffers, device, args.warmup, args.iters)
     pinned_gbs = streamed_bytes / (block_h2d_ms * 1e-3) / 1e9
     results["memory"] = {
-        "weights_after_enable_bytes": weights, "resident_plus_two_slots_bytes": bound,
-        "ratio": weights / bound if bound else None, "slot_bytes": handle.slot_nbytes,
-        "resident_bytes": handle.resident_nbytes, "host_pinned": handle.pinned,
-        "host_bytes": handle.host_nbytes, "model_bytes_resident_run": streamed_bytes + handle.resident_nbytes,
+        "weights_after_enable_bytes": weights,
+        "resident_plus_two_slots_bytes": bound,
+        "ratio": weights / bound if bound else None,
+        "slot_bytes": handle.slot_nbytes,
+        "resident_bytes": handle.resident_nbytes,
+        "host_pinned": handle.pinned,
+        "host_bytes": handle.host_nbytes,
+        "model_bytes_resident_run": streamed_bytes + handle.resident_nbytes,
     }
-    results["pinned_h2d"] = {"ms_all_blocks": block_h2d_ms, "gb_per_s": pinned_gbs,
-                             "ms_per_block": block_h2d_ms / max(1, len(handle.host_block_buffers))}
+    results["pinned_h2d"] = {
+        "ms_all_blocks": block_h2d_ms,
+        "gb_per_s": pinned_gbs,
+        "ms_per_block": block_h2d_ms / max(1, len(handle.host_block_buffers)),
+    }
     rows = []
     with torch.inference_mode():
         for name, tokens, batch in cases:
@@ -193,8 +203,11 @@ def run_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
             peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
             diff = (model(x, t).float().cpu() - expected[name]).abs().max().item()
             row = {
-                "case": name, "tokens": tokens, "batch": batch,
-                "resident_ms": resident_ms[name], "offload_ms": offload_ms,
+                "case": name,
+                "tokens": tokens,
+                "batch": batch,
+                "resident_ms": resident_ms[name],
+                "offload_ms": offload_ms,
                 "ratio": offload_ms / resident_ms[name],
                 "compute_ms_per_block": resident_ms[name] / args.blocks,
                 "h2d_ms_per_block": results["pinned_h2d"]["ms_per_block"],
@@ -209,20 +222,31 @@ def run_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         rows += checkpoint_stream_rows(args, model, device, dtype, cases, resident_ms, expected, block_h2d_ms)
     results["rows"] = rows
 
-    print(f"dlo_offload single  device={results.get('device_name', device)}  blocks={args.blocks} hidden={args.hidden} "
-          f"dtype={args.dtype}  block={handle.slot_nbytes / 2**20:.1f} MiB  pinned={handle.pinned}")
-    print(f"{'case':<30}{'tok':>6}{'B':>3}{'resident ms':>13}{'offload ms':>12}{'ratio':>8}"
-          f"{'blk cmp ms':>12}{'blk h2d ms':>12}{'GB/s':>8}{'vs pinned':>11}{'diff':>8}")
+    print(
+        f"dlo_offload single  device={results.get('device_name', device)}  blocks={args.blocks} hidden={args.hidden} "
+        f"dtype={args.dtype}  block={handle.slot_nbytes / 2**20:.1f} MiB  pinned={handle.pinned}"
+    )
+    print(
+        f"{'case':<30}{'tok':>6}{'B':>3}{'resident ms':>13}{'offload ms':>12}{'ratio':>8}"
+        f"{'blk cmp ms':>12}{'blk h2d ms':>12}{'GB/s':>8}{'vs pinned':>11}{'diff':>8}"
+    )
     for r in rows:
-        print(f"{r['case']:<30}{r['tokens']:>6}{r['batch']:>3}{r['resident_ms']:>13.2f}{r['offload_ms']:>12.2f}"
-              f"{r['ratio']:>8.3f}{r['compute_ms_per_block']:>12.3f}{r['h2d_ms_per_block']:>12.3f}"
-              f"{r['achieved_h2d_gb_per_s']:>8.1f}{r['achieved_vs_pinned']:>11.3f}{r['max_abs_diff_vs_resident']:>8.1e}")
+        print(
+            f"{r['case']:<30}{r['tokens']:>6}{r['batch']:>3}{r['resident_ms']:>13.2f}{r['offload_ms']:>12.2f}"
+            f"{r['ratio']:>8.3f}{r['compute_ms_per_block']:>12.3f}{r['h2d_ms_per_block']:>12.3f}"
+            f"{r['achieved_h2d_gb_per_s']:>8.1f}{r['achieved_vs_pinned']:>11.3f}{r['max_abs_diff_vs_resident']:>8.1e}"
+        )
     m = results["memory"]
     print(f"pinned H2D baseline: {pinned_gbs:.1f} GB/s ({block_h2d_ms:.2f} ms for {streamed_bytes / 2**30:.2f} GiB)")
-    print(f"device weights after enable: {m['weights_after_enable_bytes'] / 2**20:.1f} MiB vs resident+2 slots "
-          f"{m['resident_plus_two_slots_bytes'] / 2**20:.1f} MiB (ratio {m['ratio'] if m['ratio'] is None else round(m['ratio'], 3)}); "
-          f"whole model {m['model_bytes_resident_run'] / 2**30:.2f} GiB")
-    print("targets: compute-bound ratio <= 1.05 (rows where blk cmp ms >= blk h2d ms); transfer-bound vs pinned >= 0.90")
+    print(
+        f"device weights after enable: {m['weights_after_enable_bytes'] / 2**20:.1f} MiB vs resident+2 slots "
+        f"{m['resident_plus_two_slots_bytes'] / 2**20:.1f} MiB "
+        f"(ratio {m['ratio'] if m['ratio'] is None else round(m['ratio'], 3)}); "
+        f"whole model {m['model_bytes_resident_run'] / 2**30:.2f} GiB"
+    )
+    print(
+        "targets: compute-bound ratio <= 1.05 (rows where blk cmp ms >= blk h2d ms); transfer-bound vs pinned >= 0.90"
+    )
     return results
 
 
@@ -238,24 +262,32 @@ def checkpoint_stream_rows(args, model, device, dtype, cases, resident_ms, expec
         result = build_checkpoint_mmap_plan(model, PLAN, os.path.join(scratch, "blocks.safetensors"))
         if result.plan is None:
             raise RuntimeError(f"checkpoint preflight failed: {result.fallback_reason}")
-        handle = enable_layerwise_offload(model, PLAN, device=device, host_weights=result.plan,
-                                          stream_from_checkpoint=True)
+        handle = enable_layerwise_offload(
+            model, PLAN, device=device, host_weights=result.plan, stream_from_checkpoint=True
+        )
         streamed = handle.slot_nbytes * args.blocks  # equal blocks: packed bytes copied per forward
         with torch.inference_mode():
             for name, tokens, batch in cases:
                 x, t = inputs(args, tokens, batch, device, dtype)
                 offload_ms = time_ms(lambda: model(x, t), device, args.warmup, args.iters)
                 diff = (model(x, t).float().cpu() - expected[name]).abs().max().item()
-                rows.append({
-                    "case": f"{name}_ckpt_stream", "tokens": tokens, "batch": batch,
-                    "resident_ms": resident_ms[name], "offload_ms": offload_ms, "ratio": offload_ms / resident_ms[name],
-                    "compute_ms_per_block": resident_ms[name] / args.blocks,
-                    "h2d_ms_per_block": block_h2d_ms / args.blocks,
-                    "achieved_h2d_gb_per_s": streamed / (offload_ms * 1e-3) / 1e9,
-                    "achieved_vs_pinned": block_h2d_ms / offload_ms,
-                    "forward_peak_above_weights_bytes": 0, "max_abs_diff_vs_resident": diff,
-                    "host_bytes": handle.host_nbytes,
-                })
+                rows.append(
+                    {
+                        "case": f"{name}_ckpt_stream",
+                        "tokens": tokens,
+                        "batch": batch,
+                        "resident_ms": resident_ms[name],
+                        "offload_ms": offload_ms,
+                        "ratio": offload_ms / resident_ms[name],
+                        "compute_ms_per_block": resident_ms[name] / args.blocks,
+                        "h2d_ms_per_block": block_h2d_ms / args.blocks,
+                        "achieved_h2d_gb_per_s": streamed / (offload_ms * 1e-3) / 1e9,
+                        "achieved_vs_pinned": block_h2d_ms / offload_ms,
+                        "forward_peak_above_weights_bytes": 0,
+                        "max_abs_diff_vs_resident": diff,
+                        "host_bytes": handle.host_nbytes,
+                    }
+                )
         handle.remove()
     return rows
 
@@ -298,35 +330,49 @@ def run_allgather(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     shard = handle.host_block_buffers[0].numel()
     out = torch.empty(shard * world, dtype=torch.uint8, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    ag_ms = wave_ms(lambda: gather(out, out[rank * shard: (rank + 1) * shard], group=group))
+    ag_ms = wave_ms(lambda: gather(out, out[rank * shard : (rank + 1) * shard], group=group))
     shard_h2d_ms = pinned_h2d_ms(handle.host_block_buffers[:1], device, args.warmup, args.iters)
     handle.remove()
 
     results = {
-        "config": {k: v for k, v in vars(args).items() if k != "out"}, "world_size": world, "backend": backend,
-        "allgather_ms_per_block": ag_ms, "allgather_bytes_per_block": shard * world,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "world_size": world,
+        "backend": backend,
+        "allgather_ms_per_block": ag_ms,
+        "allgather_bytes_per_block": shard * world,
         "allgather_gb_per_s": shard * world / (ag_ms * 1e-3) / 1e9,
         "shard_h2d_ms_per_block": shard_h2d_ms,
-        "dp_wave_resident_ms": resident_wave, "dp_wave_offload_ms": offload_wave,
+        "dp_wave_resident_ms": resident_wave,
+        "dp_wave_offload_ms": offload_wave,
         "dp_throughput_ratio": resident_wave / offload_wave,
         "requests_per_s_resident": world / (resident_wave * 1e-3),
         "requests_per_s_offload": world / (offload_wave * 1e-3),
-        "weights_per_gpu_bytes": weights, "two_slots_plus_resident_bytes": 2 * handle.slot_nbytes + handle.resident_nbytes,
-        "host_bytes_per_rank": handle.host_nbytes, "max_abs_diff_vs_resident": diff,
+        "weights_per_gpu_bytes": weights,
+        "two_slots_plus_resident_bytes": 2 * handle.slot_nbytes + handle.resident_nbytes,
+        "host_bytes_per_rank": handle.host_nbytes,
+        "max_abs_diff_vs_resident": diff,
     }
     diffs = [None] * world
     dist.all_gather_object(diffs, diff)
     results["max_abs_diff_per_rank"] = diffs
     if rank == 0:
-        print(f"dlo_offload allgather  world={world} backend={backend} blocks={args.blocks} hidden={args.hidden} "
-              f"tokens={args.tokens}")
-        print(f"per-block AllGather: {ag_ms:.3f} ms for {shard * world / 2**20:.1f} MiB "
-              f"-> {results['allgather_gb_per_s']:.1f} GB/s; shard H2D {shard_h2d_ms:.3f} ms")
-        print(f"DP{world} wave (one request per rank): resident replicas {resident_wave:.2f} ms, AllGather offload "
-              f"{offload_wave:.2f} ms -> throughput ratio {results['dp_throughput_ratio']:.3f} (target >= 0.9)")
-        print(f"device weights per GPU: {weights / 2**20:.1f} MiB vs 2 slots + resident "
-              f"{results['two_slots_plus_resident_bytes'] / 2**20:.1f} MiB; host per rank "
-              f"{handle.host_nbytes / 2**30:.2f} GiB; max |diff| per rank {diffs}")
+        print(
+            f"dlo_offload allgather  world={world} backend={backend} blocks={args.blocks} hidden={args.hidden} "
+            f"tokens={args.tokens}"
+        )
+        print(
+            f"per-block AllGather: {ag_ms:.3f} ms for {shard * world / 2**20:.1f} MiB "
+            f"-> {results['allgather_gb_per_s']:.1f} GB/s; shard H2D {shard_h2d_ms:.3f} ms"
+        )
+        print(
+            f"DP{world} wave (one request per rank): resident replicas {resident_wave:.2f} ms, AllGather offload "
+            f"{offload_wave:.2f} ms -> throughput ratio {results['dp_throughput_ratio']:.3f} (target >= 0.9)"
+        )
+        print(
+            f"device weights per GPU: {weights / 2**20:.1f} MiB vs 2 slots + resident "
+            f"{results['two_slots_plus_resident_bytes'] / 2**20:.1f} MiB; host per rank "
+            f"{handle.host_nbytes / 2**30:.2f} GiB; max |diff| per rank {diffs}"
+        )
     dist.barrier()
     dist.destroy_process_group()
     return results if rank == 0 else {}
@@ -345,8 +391,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--checkpoint-stream", action="store_true",
-                        help="single mode: also time stream_from_checkpoint=True (writes the blocks to --scratch)")
+    parser.add_argument(
+        "--checkpoint-stream",
+        action="store_true",
+        help="single mode: also time stream_from_checkpoint=True (writes the blocks to --scratch)",
+    )
     parser.add_argument("--scratch", default=None, help="directory for the --checkpoint-stream safetensors file")
     args = parser.parse_args()
     if args.smoke:

@@ -1,12 +1,12 @@
 """Fair scheduling: latency of a short request while long multi-image requests hold most of the KV pool.
 
 Scenario (issue 17): the pool holds about 1.6 guided ``n=10`` requests. One ``n=10`` long request runs, a
-second one waits for blocks, and a 2-step ``n=1`` request arrives. FIFO admission keeps the short request
-behind the waiting ``n=10`` one until the first long request finishes; fair admission
-(``omni_server.scheduling_policy``) runs it at once, in small forwards (``--max-rows-per-step``). Target: contended latency <= 3 x standalone latency + one batch
-step (the mean forward latency measured while the long requests run, from ``/metrics``; with a row budget a
-forward carries at most ``--max-rows-per-step`` rows, so the full-batch step is also reported). The server is
-stopped once the short requests are measured (the long ones need minutes on a CPU).
+second one waits for blocks, and a 2-step ``n=1`` request arrives. FIFO admission keeps the short request behind the
+waiting ``n=10`` one until the first long request finishes; fair admission (``omni_server.scheduling_policy``) runs it
+at once, in small forwards (``--max-rows-per-step``). Target: contended latency <= 3 x standalone latency + one batch
+step (the mean forward latency measured while the long requests run, from ``/metrics``; with a row budget a forward
+carries at most ``--max-rows-per-step`` rows, so the full-batch step is also reported). The server is stopped once the
+short requests are measured (the long ones need minutes on a CPU).
 
     python benchmarks/fair_scheduling.py --out /tmp/fair          # CPU, a few minutes on 2 shared cores
 
@@ -56,7 +56,8 @@ def pool_bytes(rows: float) -> int:
     from diffusion_kv.sizing import kv_cache_bytes_per_block
 
     pipeline = omni_models.load("omni-shapes-tiny", device="cpu")
-    row_tokens = pipeline.prepare("a").rows[0].target_len + pipeline.info.max_prompt_tokens
+    [job] = pipeline.prepare(omni_models.resolve_request(pipeline.info, omni_models.GenerationRequest(prompt="a")))
+    row_tokens = job.rows[0].target_len + pipeline.info.image.max_prompt_tokens
     blocks = int(rows * -(-row_tokens // BLOCK_SIZE)) + 1
     return blocks * kv_cache_bytes_per_block(pipeline.kv_cache_specs(), BLOCK_SIZE)
 
@@ -70,8 +71,22 @@ def main() -> int:
     args = parser.parse_args()
 
     port = free_port()
-    argv = [sys.executable, "-m", "omni_server", "serve", "--device", "cpu", "--port", str(port), "--max-num-seqs",
-            "4", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(pool_bytes(32))]
+    argv = [
+        sys.executable,
+        "-m",
+        "omni_server",
+        "serve",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "4",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--kv-cache-memory-bytes",
+        str(pool_bytes(32)),
+    ]
     if args.max_rows_per_step is not None:
         argv += ["--max-rows-per-step", str(args.max_rows_per_step)]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,16 +111,20 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise RuntimeError("the long requests never reached one running + one waiting")
             time.sleep(0.1)
-        steps_before = (metric(port, "omni:denoise_step_latency_seconds_sum"),
-                        metric(port, "omni:denoise_step_latency_seconds_count"))
+        steps_before = (
+            metric(port, "omni:denoise_step_latency_seconds_sum"),
+            metric(port, "omni:denoise_step_latency_seconds_count"),
+        )
         contended = []
         for _ in range(args.repeats):
             status, latency = post(port, SHORT)
             assert status == 200, status
             contended.append(latency)
             waiting = metric(port, "omni:num_requests_waiting")
-        steps_after = (metric(port, "omni:denoise_step_latency_seconds_sum"),
-                       metric(port, "omni:denoise_step_latency_seconds_count"))
+        steps_after = (
+            metric(port, "omni:denoise_step_latency_seconds_sum"),
+            metric(port, "omni:denoise_step_latency_seconds_count"),
+        )
         batch_step = (steps_after[0] - steps_before[0]) / max(steps_after[1] - steps_before[1], 1)
         long_still_waiting = waiting >= 1
     finally:
@@ -116,15 +135,24 @@ def main() -> int:
     contended_p50 = statistics.median(contended)
     bound = 3 * standalone_p50 + batch_step
     result = {
-        "standalone_s": standalone, "contended_s": contended, "standalone_p50_s": standalone_p50,
-        "contended_p50_s": contended_p50, "mean_batch_step_s": batch_step, "bound_s": bound,
-        "ratio_to_bound": contended_p50 / bound, "max_rows_per_step": args.max_rows_per_step, "contended_over_standalone": contended_p50 / standalone_p50,
-        "second_long_request_still_waiting": long_still_waiting, "cpu_count": os.cpu_count(),
+        "standalone_s": standalone,
+        "contended_s": contended,
+        "standalone_p50_s": standalone_p50,
+        "contended_p50_s": contended_p50,
+        "mean_batch_step_s": batch_step,
+        "bound_s": bound,
+        "ratio_to_bound": contended_p50 / bound,
+        "max_rows_per_step": args.max_rows_per_step,
+        "contended_over_standalone": contended_p50 / standalone_p50,
+        "second_long_request_still_waiting": long_still_waiting,
+        "cpu_count": os.cpu_count(),
     }
     print(json.dumps(result, indent=1))
-    print(f"short request p50: standalone {standalone_p50 * 1000:.0f} ms, beside 2 x n=10 long requests "
-          f"{contended_p50 * 1000:.0f} ms; bound 3 x standalone + one batch step ({batch_step * 1000:.0f} ms) = "
-          f"{bound * 1000:.0f} ms -> {'MET' if contended_p50 <= bound else 'NOT MET'} ({contended_p50 / bound:.2f}x)")
+    print(
+        f"short request p50: standalone {standalone_p50 * 1000:.0f} ms, beside 2 x n=10 long requests "
+        f"{contended_p50 * 1000:.0f} ms; bound 3 x standalone + one batch step ({batch_step * 1000:.0f} ms) = "
+        f"{bound * 1000:.0f} ms -> {'MET' if contended_p50 <= bound else 'NOT MET'} ({contended_p50 / bound:.2f}x)"
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fair_scheduling.json").write_text(json.dumps(result, indent=1))

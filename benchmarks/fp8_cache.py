@@ -13,7 +13,7 @@ Warm tensors are checked bit-identical to online quantization.
 Part 2 (GEMM throughput, CUDA only; CPU smoke runs the same code through the dequantizing fallback). Per
 shape, all against bf16 ``nn.Linear`` in the same run:
 - ``FP8Linear`` on a bf16 input, quantizing it itself: per tensor (two passes, the default, "fp8 ms") and per
-  row (one pass, ``activation_scaling = "row"``, "row ms");
+  row (one pass, ``activation_scaling="row"``, "row ms");
 - ``FP8Linear`` on an ``FP8Activation`` with per-row scales, as the fused op before it in the DiT writes it
   ("pre ms", the headline "x pre": no quantization pass of its own);
 - the raw ``_scaled_mm`` on pre-quantized inputs, per tensor ("gemm ms") and rowwise ("rgemm ms"), the per-tensor
@@ -47,7 +47,6 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from fp8_cache import (  # noqa: E402
-    FP8Activation,
     FP8Linear,
     build_fp8_cache,
     load_fp8_weights,
@@ -55,8 +54,8 @@ from fp8_cache import (  # noqa: E402
     quantize_activation_rows,
     quantize_state_dict,
 )
-from fp8_cache.quant import per_tensor_scale, quantize_with_scale  # noqa: E402
 from fp8_cache.build import read_source_specs, resolve_source_files, select_quantized  # noqa: E402
+from fp8_cache.quant import per_tensor_scale, quantize_with_scale  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -68,8 +67,12 @@ def make_source(directory: Path, *, hidden: int, blocks: int, files: int, device
     """A DiT-like component: per block qkv, proj, fc1, fc2 linears (+ biases, norm); returns parameter count."""
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device=device).manual_seed(0)
-    shapes = {"attn.qkv": (3 * hidden, hidden), "attn.proj": (hidden, hidden),
-              "mlp.fc1": (4 * hidden, hidden), "mlp.fc2": (hidden, 4 * hidden)}
+    shapes = {
+        "attn.qkv": (3 * hidden, hidden),
+        "attn.proj": (hidden, hidden),
+        "mlp.fc1": (4 * hidden, hidden),
+        "mlp.fc2": (hidden, 4 * hidden),
+    }
     params = 0
     per_file: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
     for b in range(blocks):
@@ -160,9 +163,15 @@ def bench_load(args, device: torch.device, workdir: Path) -> dict:
         regime["speedup_vs_online_ordinary"] = regime["online_ordinary"]["median_s"] / warm_s
         regime["speedup_vs_online_fast"] = regime["online_fast"]["median_s"] / warm_s
     return {
-        "params": params, "source_bytes": source_bytes, "cache_bytes": build.manifest.total_size,
-        "quantized_tensors": len(quantized), "generate_s": gen_s, "cold_build_s": build_s,
-        "bit_identical": identical, "bit_identical_vs_ordinary_reader": identical_ordinary, **results,
+        "params": params,
+        "source_bytes": source_bytes,
+        "cache_bytes": build.manifest.total_size,
+        "quantized_tensors": len(quantized),
+        "generate_s": gen_s,
+        "cold_build_s": build_s,
+        "bit_identical": identical,
+        "bit_identical_vs_ordinary_reader": identical_ordinary,
+        **results,
     }
 
 
@@ -185,6 +194,7 @@ def bench_gemm(shapes: list[tuple[str, int, int, int]], device: torch.device) ->
         torch.manual_seed(0)
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(linear)
+        fp8_row = FP8Linear.from_linear(linear, activation_scaling="row")
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         with torch.inference_mode():
             ref, out = linear(x), fp8(x)
@@ -194,35 +204,55 @@ def bench_gemm(shapes: list[tuple[str, int, int, int]], device: torch.device) ->
             bf16_ms = _time_ms(lambda: linear(x), device)
             fp8_ms = _time_ms(lambda: fp8(x), device)
             pre_ms = _time_ms(lambda: fp8(pre), device)
-            FP8Linear.activation_scaling = "row"
-            try:
-                row_ms = _time_ms(lambda: fp8(x), device)
-            finally:
-                FP8Linear.activation_scaling = "tensor"
-            row = {"shape": label, "M": m, "K": k, "N": n, "bf16_ms": bf16_ms, "fp8_linear_ms": fp8_ms,
-                   "fp8_linear_row_ms": row_ms, "fp8_prequantized_ms": pre_ms,
-                   "speedup_fp8_linear": bf16_ms / fp8_ms, "speedup_fp8_linear_row": bf16_ms / row_ms,
-                   "speedup_fp8_prequantized": bf16_ms / pre_ms,
-                   "rel_err_vs_bf16": rel_err, "rel_err_prequantized_vs_bf16": rel_err_pre}
+            row_ms = _time_ms(lambda: fp8_row(x), device)
+            row = {
+                "shape": label,
+                "M": m,
+                "K": k,
+                "N": n,
+                "bf16_ms": bf16_ms,
+                "fp8_linear_ms": fp8_ms,
+                "fp8_linear_row_ms": row_ms,
+                "fp8_prequantized_ms": pre_ms,
+                "speedup_fp8_linear": bf16_ms / fp8_ms,
+                "speedup_fp8_linear_row": bf16_ms / row_ms,
+                "speedup_fp8_prequantized": bf16_ms / pre_ms,
+                "rel_err_vs_bf16": rel_err,
+                "rel_err_prequantized_vs_bf16": rel_err_pre,
+            }
             if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
                 xq, xs = quantize_activation(x)
                 wt = fp8.weight.t()
                 w_row = fp8.weight_scale.reshape(1, 1).expand(1, n).contiguous()
-                gemm_ms = _time_ms(lambda: torch._scaled_mm(xq, wt, scale_a=xs, scale_b=fp8.weight_scale,
-                                                            out_dtype=torch.bfloat16), device)
-                rgemm_ms = _time_ms(lambda: torch._scaled_mm(pre.data, wt, scale_a=pre.scale, scale_b=w_row,
-                                                             out_dtype=torch.bfloat16), device)
-                fast_ms = _time_ms(lambda: torch._scaled_mm(xq, wt, scale_a=xs, scale_b=fp8.weight_scale,
-                                                            out_dtype=torch.bfloat16, use_fast_accum=True), device)
+                gemm_ms = _time_ms(
+                    lambda: torch._scaled_mm(xq, wt, scale_a=xs, scale_b=fp8.weight_scale, out_dtype=torch.bfloat16),
+                    device,
+                )
+                rgemm_ms = _time_ms(
+                    lambda: torch._scaled_mm(pre.data, wt, scale_a=pre.scale, scale_b=w_row, out_dtype=torch.bfloat16),
+                    device,
+                )
+                fast_ms = _time_ms(
+                    lambda: torch._scaled_mm(
+                        xq, wt, scale_a=xs, scale_b=fp8.weight_scale, out_dtype=torch.bfloat16, use_fast_accum=True
+                    ),
+                    device,
+                )
                 quant_ms = _time_ms(lambda: quantize_activation(x), device)
                 # The Triton activation quantizer against the exact torch expression (same scale rule).
                 ref_scale = per_tensor_scale(x)
                 ref_q = quantize_with_scale(x, ref_scale)
                 same = (xq.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean().item()
-                row.update(scaled_mm_ms=gemm_ms, speedup_gemm_only=bf16_ms / gemm_ms, act_quant_ms=quant_ms,
-                           scaled_mm_rowwise_ms=rgemm_ms, speedup_rowwise_gemm_only=bf16_ms / rgemm_ms,
-                           scaled_mm_fast_accum_ms=fast_ms,
-                           act_quant_bytes_equal_torch=same, act_scale_equal_torch=bool(torch.equal(xs, ref_scale)))
+                row.update(
+                    scaled_mm_ms=gemm_ms,
+                    speedup_gemm_only=bf16_ms / gemm_ms,
+                    act_quant_ms=quant_ms,
+                    scaled_mm_rowwise_ms=rgemm_ms,
+                    speedup_rowwise_gemm_only=bf16_ms / rgemm_ms,
+                    scaled_mm_fast_accum_ms=fast_ms,
+                    act_quant_bytes_equal_torch=same,
+                    act_scale_equal_torch=bool(torch.equal(xs, ref_scale)),
+                )
             flops = 2.0 * m * n * k
             row["bf16_tflops"] = flops / bf16_ms / 1e9
             row["fp8_linear_tflops"] = flops / fp8_ms / 1e9
@@ -253,8 +283,9 @@ def module_checks(device: torch.device) -> dict[str, bool]:
             w = fp8.weight.float() * fp8.weight_scale
             ref = x.double() @ w.double().t() + (fp8.bias.double() if bias else 0.0)
             bound = (x.double().abs() @ w.double().abs().t()) * (2.0**-4 + 2.0**-7) + 1e-3
-        results[label] = bool(out.shape == ref.shape and out.dtype == dtype
-                              and ((out.double() - ref).abs() <= bound).all().item())
+        results[label] = bool(
+            out.shape == ref.shape and out.dtype == dtype and ((out.double() - ref).abs() <= bound).all().item()
+        )
     # Per-row pre-quantized inputs (the fused producers' output): the product of the stored FP8 values.
     for label, bias in (("bf16_prequantized_rows_bias", True), ("bf16_prequantized_rows_no_bias", False)):
         linear = torch.nn.Linear(256, 128, bias=bias, device=device, dtype=torch.bfloat16)
@@ -266,8 +297,11 @@ def module_checks(device: torch.device) -> dict[str, bool]:
             w = fp8.weight.double() * fp8.weight_scale.double()
             ref = x @ w.t() + (fp8.bias.double() if bias else 0.0)
             bound = (x.abs() @ w.abs().t()) * 2.0**-7 + 1e-3  # bf16 output rounding only
-        results[label] = bool(out.shape == (2, 37, 128) and out.dtype == torch.bfloat16
-                              and ((out.double() - ref).abs() <= bound).all().item())
+        results[label] = bool(
+            out.shape == (2, 37, 128)
+            and out.dtype == torch.bfloat16
+            and ((out.double() - ref).abs() <= bound).all().item()
+        )
     return results
 
 
@@ -289,12 +323,22 @@ def main() -> int:
         shapes = [("smoke", 64, 64, 64), ("smoke", 32, 64, 256)]
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        shapes = [("square", 8192, 8192, 8192), ("dit3072.proj", 4096, 3072, 3072),
-                  ("dit3072.fc1", 4096, 3072, 12288), ("dit3072.fc2", 4096, 12288, 3072),
-                  ("large.qkv", 2048, 2048, 6144), ("large.proj", 2048, 2048, 2048),
-                  ("large.fc1", 2048, 2048, 8192), ("large.fc2", 2048, 8192, 2048)]
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "python": sys.version.split()[0], "smoke": args.smoke}
+        shapes = [
+            ("square", 8192, 8192, 8192),
+            ("dit3072.proj", 4096, 3072, 3072),
+            ("dit3072.fc1", 4096, 3072, 12288),
+            ("dit3072.fc2", 4096, 12288, 3072),
+            ("large.qkv", 2048, 2048, 6144),
+            ("large.proj", 2048, 2048, 2048),
+            ("large.fc1", 2048, 2048, 8192),
+            ("large.fc2", 2048, 8192, 2048),
+        ]
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "smoke": args.smoke,
+    }
 
     load = None
     if not args.gemm_only:
@@ -305,34 +349,48 @@ def main() -> int:
 
     print(f"# fp8_cache on {meta['device']} (torch {meta['torch']})")
     if load is not None:
-        print(f"model: {load['params'] / 1e9:.3f} B params, source {load['source_bytes'] / 2**30:.2f} GiB bf16, "
-              f"cache {load['cache_bytes'] / 2**30:.2f} GiB; cold build {load['cold_build_s']:.2f} s; "
-              f"warm == online bit-identical: {load['bit_identical']} "
-              f"(vs safetensors reader: {load['bit_identical_vs_ordinary_reader']})")
-        print(f"{'regime':<20}{'online_ordinary s':>19}{'online_fast s':>15}{'warm_cache s':>14}"
-              f"{'x vs ordinary':>15}{'x vs fast':>11}")
+        print(
+            f"model: {load['params'] / 1e9:.3f} B params, source {load['source_bytes'] / 2**30:.2f} GiB bf16, "
+            f"cache {load['cache_bytes'] / 2**30:.2f} GiB; cold build {load['cold_build_s']:.2f} s; "
+            f"warm == online bit-identical: {load['bit_identical']} "
+            f"(vs safetensors reader: {load['bit_identical_vs_ordinary_reader']})"
+        )
+        print(
+            f"{'regime':<20}{'online_ordinary s':>19}{'online_fast s':>15}{'warm_cache s':>14}"
+            f"{'x vs ordinary':>15}{'x vs fast':>11}"
+        )
         for regime in ("page_cache_hot", "page_cache_evicted"):
             r = load[regime]
-            print(f"{regime:<20}{r['online_ordinary']['median_s']:>19.3f}{r['online_fast']['median_s']:>15.3f}"
-                  f"{r['warm_cache']['median_s']:>14.3f}{r['speedup_vs_online_ordinary']:>15.2f}"
-                  f"{r['speedup_vs_online_fast']:>11.2f}")
+            print(
+                f"{regime:<20}{r['online_ordinary']['median_s']:>19.3f}{r['online_fast']['median_s']:>15.3f}"
+                f"{r['warm_cache']['median_s']:>14.3f}{r['speedup_vs_online_ordinary']:>15.2f}"
+                f"{r['speedup_vs_online_fast']:>11.2f}"
+            )
     nan = float("nan")
-    print(f"{'shape':<13}{'M x K x N':<18}{'bf16 ms':>9}{'fp8 ms':>8}{'x':>6}{'row ms':>8}{'x':>6}{'pre ms':>8}"
-          f"{'x pre':>7}{'gemm ms':>8}{'rgemm ms':>9}{'actq ms':>8}{'fa ms':>7}{'bf16 TF':>8}{'pre TF':>8}"
-          f"{'rel err':>8}")
+    print(
+        f"{'shape':<13}{'M x K x N':<18}{'bf16 ms':>9}{'fp8 ms':>8}{'x':>6}{'row ms':>8}{'x':>6}{'pre ms':>8}"
+        f"{'x pre':>7}{'gemm ms':>8}{'rgemm ms':>9}{'actq ms':>8}{'fa ms':>7}{'bf16 TF':>8}{'pre TF':>8}"
+        f"{'rel err':>8}"
+    )
     for r in gemm:
-        print(f"{r['shape']:<13}{r['M']}x{r['K']}x{r['N']:<8}{r['bf16_ms']:>9.3f}{r['fp8_linear_ms']:>8.3f}"
-              f"{r['speedup_fp8_linear']:>6.2f}{r['fp8_linear_row_ms']:>8.3f}{r['speedup_fp8_linear_row']:>6.2f}"
-              f"{r['fp8_prequantized_ms']:>8.3f}{r['speedup_fp8_prequantized']:>7.2f}"
-              f"{r.get('scaled_mm_ms', nan):>8.3f}{r.get('scaled_mm_rowwise_ms', nan):>9.3f}"
-              f"{r.get('act_quant_ms', nan):>8.3f}{r.get('scaled_mm_fast_accum_ms', nan):>7.3f}"
-              f"{r['bf16_tflops']:>8.1f}{r['fp8_prequantized_tflops']:>8.1f}{r['rel_err_vs_bf16']:>8.4f}")
+        print(
+            f"{r['shape']:<13}{r['M']}x{r['K']}x{r['N']:<8}{r['bf16_ms']:>9.3f}{r['fp8_linear_ms']:>8.3f}"
+            f"{r['speedup_fp8_linear']:>6.2f}{r['fp8_linear_row_ms']:>8.3f}{r['speedup_fp8_linear_row']:>6.2f}"
+            f"{r['fp8_prequantized_ms']:>8.3f}{r['speedup_fp8_prequantized']:>7.2f}"
+            f"{r.get('scaled_mm_ms', nan):>8.3f}{r.get('scaled_mm_rowwise_ms', nan):>9.3f}"
+            f"{r.get('act_quant_ms', nan):>8.3f}{r.get('scaled_mm_fast_accum_ms', nan):>7.3f}"
+            f"{r['bf16_tflops']:>8.1f}{r['fp8_prequantized_tflops']:>8.1f}{r['rel_err_vs_bf16']:>8.4f}"
+        )
     act = [(r["act_quant_bytes_equal_torch"], r["act_scale_equal_torch"]) for r in gemm if "act_quant_ms" in r]
     if act:
-        print(f"Triton activation quantizer vs torch: scale equal {all(c[1] for c in act)}, "
-              f"min fraction of identical FP8 bytes {min(c[0] for c in act):.6f}")
-    print("FP8Linear checks vs dequantized reference: " + ", ".join(f"{k}={'ok' if v else 'FAIL'}"
-                                                                     for k, v in checks.items()))
+        print(
+            f"Triton activation quantizer vs torch: scale equal {all(c[1] for c in act)}, "
+            f"min fraction of identical FP8 bytes {min(c[0] for c in act):.6f}"
+        )
+    print(
+        "FP8Linear checks vs dequantized reference: "
+        + ", ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in checks.items())
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fp8_cache.json").write_text(

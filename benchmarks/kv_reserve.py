@@ -35,12 +35,13 @@ from pathlib import Path
 
 from diffusion_kv import (
     BlockPoolConfig,
+    DiffusionKVAdmissionError,
     DiffusionKVCacheManager,
     DiffusionKVContext,
     DiffusionKVRequest,
+    _vllm,
     sequence_request_id,
 )
-from diffusion_kv import DiffusionKVAdmissionError, _vllm
 from diffusion_kv.allocator import build_block_allocator
 from diffusion_kv.request import _ContextKVRequest
 

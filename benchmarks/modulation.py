@@ -85,8 +85,9 @@ def run_shape(tokens: int, width: int, rows: int, device: str, backend: str, gen
             tokens * width * (2 + 1) + tokens * 4,
         ),
         "residual_ln_mod": (
-            lambda: fused.gated_residual_layer_norm_modulate(x, gate, branch, shift2, scale2, ids, eps=EPS,
-                                                             backend=backend),
+            lambda: fused.gated_residual_layer_norm_modulate(
+                x, gate, branch, shift2, scale2, ids, eps=EPS, backend=backend
+            ),
             lambda: (lambda r: (r, unfused_ln_mod(r, shift2, scale2, ids)))(x + gate.index_select(0, ids) * branch),
             tokens * width * (2 + 2 + 2 + 2),
         ),
@@ -104,10 +105,12 @@ def run_shape(tokens: int, width: int, rows: int, device: str, backend: str, gen
     ref_q = fused.layer_norm_modulate(x, shift, scale, ids, eps=EPS, quantize=True, backend="torch")
     got_q = ops["ln_mod_fp8"][0]()
     checks["ln_mod_fp8_scale_max_rel_err"] = ((got_q.scale - ref_q.scale).abs() / ref_q.scale).max().item()
-    checks["ln_mod_fp8_dequant_rel_l2"] = ((got_q.dequantize().float() - ref.float()).norm()
-                                           / ref.float().norm()).item()
-    ref_r, ref_m = fused.gated_residual_layer_norm_modulate(x, gate, branch, shift2, scale2, ids, eps=EPS,
-                                                            backend="torch")
+    checks["ln_mod_fp8_dequant_rel_l2"] = (
+        (got_q.dequantize().float() - ref.float()).norm() / ref.float().norm()
+    ).item()
+    ref_r, ref_m = fused.gated_residual_layer_norm_modulate(
+        x, gate, branch, shift2, scale2, ids, eps=EPS, backend="torch"
+    )
     got_r, got_m = ops["residual_ln_mod"][0]()
     checks["residual_max_abs_err"] = (got_r.float() - ref_r.float()).abs().max().item()
     checks["residual_ln_mod_max_abs_err"] = (got_m.float() - ref_m.float()).abs().max().item()
@@ -119,8 +122,13 @@ def run_shape(tokens: int, width: int, rows: int, device: str, backend: str, gen
     for name, (fused_fn, unfused_fn, nbytes) in ops.items():
         fused_ms = timer_ms(fused_fn, device)
         unfused_ms = timer_ms(unfused_fn, device)
-        results["ops"][name] = {"fused_ms": fused_ms, "unfused_ms": unfused_ms, "speedup": unfused_ms / fused_ms,
-                                "bytes": nbytes, "fused_gbps": nbytes / fused_ms / 1e6}
+        results["ops"][name] = {
+            "fused_ms": fused_ms,
+            "unfused_ms": unfused_ms,
+            "speedup": unfused_ms / fused_ms,
+            "bytes": nbytes,
+            "fused_gbps": nbytes / fused_ms / 1e6,
+        }
     return results
 
 
@@ -141,21 +149,32 @@ def main() -> int:
     copy_gbps = copy_bandwidth(device, 2 * 1024**3 if device == "cuda" else 1024**2)
     with torch.inference_mode():
         results = [run_shape(t, w, r, device, backend, gen) for t, w, r in shapes]
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", "torch": torch.__version__,
-            "copy_gbps": copy_gbps, "timer": "triton.testing.do_bench median" if device == "cuda" else "perf_counter"}
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
+        "copy_gbps": copy_gbps,
+        "timer": "triton.testing.do_bench median" if device == "cuda" else "perf_counter",
+    }
     print(f"# indexed adaLN modulation on {meta['device']}; device-to-device copy {copy_gbps:.0f} GB/s (read+write)")
     print(f"{'T':>6} {'W':>5} {'R':>2} {'op':<16}{'unfused ms':>11}{'fused ms':>10}{'x':>7}{'GB/s':>8}{'% copy':>8}")
     for r in results:
         for name, op in r["ops"].items():
-            print(f"{r['tokens']:>6} {r['width']:>5} {r['rows']:>2} {name:<16}{op['unfused_ms']:>11.4f}"
-                  f"{op['fused_ms']:>10.4f}{op['speedup']:>7.2f}{op['fused_gbps']:>8.0f}"
-                  f"{op['fused_gbps'] / copy_gbps:>8.0%}")
+            print(
+                f"{r['tokens']:>6} {r['width']:>5} {r['rows']:>2} {name:<16}{op['unfused_ms']:>11.4f}"
+                f"{op['fused_ms']:>10.4f}{op['speedup']:>7.2f}{op['fused_gbps']:>8.0f}"
+                f"{op['fused_gbps'] / copy_gbps:>8.0%}"
+            )
         print("   checks: " + ", ".join(f"{k}={v:.2e}" for k, v in r["checks"].items()))
     # FP8 rounding (3 mantissa bits) costs a few % relative L2; the interpreter's float->fp8 cast is coarser.
     fp8_tol = 0.15 if SMOKE else 0.05
-    ok = all(r["checks"]["ln_mod_fp8_scale_max_rel_err"] < 1e-3 and r["checks"]["ln_mod_fp8_dequant_rel_l2"] < fp8_tol
-             and r["checks"]["gelu_fp8_dequant_rel_l2"] < fp8_tol and r["checks"]["ln_mod_max_abs_err"] < 0.1
-             and r["checks"]["residual_ln_mod_max_abs_err"] < 0.1 for r in results)
+    ok = all(
+        r["checks"]["ln_mod_fp8_scale_max_rel_err"] < 1e-3
+        and r["checks"]["ln_mod_fp8_dequant_rel_l2"] < fp8_tol
+        and r["checks"]["gelu_fp8_dequant_rel_l2"] < fp8_tol
+        and r["checks"]["ln_mod_max_abs_err"] < 0.1
+        and r["checks"]["residual_ln_mod_max_abs_err"] < 0.1
+        for r in results
+    )
     print(f"correctness vs float32 reference: {'ok' if ok else 'FAIL'}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Builds the engine exactly as ``omni-server serve`` does (``omni_server.engine.build_engine``: the engine process
 is rank 0 and starts one worker process per further GPU) for each configuration below, sends it requests
-through ``PagedEngine.add``/``step`` and times add -> finished (prefix, every denoise step, decode, PNG):
+through ``EngineCore.add``/``step`` and times add -> finished (prefix, every denoise step, decode, PNG):
 
   1gpu                   one GPU, weights resident (the baseline of every ratio)
   1gpu-offload           one GPU, layerwise offload, rank-local (whole blocks from this rank's host copy)
@@ -69,13 +69,30 @@ def write_model(directory: Path, smoke: bool) -> dict:
 
     _, vocabulary = load_config(resolve_model_dir("omni-shapes-tiny"))
     if smoke:
-        config = DiTConfig(name="mg-smoke", width=64, depth=2, num_heads=4, patch_size=4, vocab_size=len(vocabulary),
-                           max_prompt_tokens=16, supported_sizes=((32, 32), (48, 48), (64, 64)), default_steps=2)
+        config = DiTConfig(
+            name="mg-smoke",
+            width=64,
+            depth=2,
+            num_heads=4,
+            patch_size=4,
+            vocab_size=len(vocabulary),
+            max_prompt_tokens=16,
+            supported_sizes=((32, 32), (48, 48), (64, 64)),
+            default_steps=2,
+        )
         sizes = {"cfg": (32, 32), "uncond": (32, 32), "long": (48, 48), "xl": (64, 64)}
     else:  # large_config's shapes (width 2048, 28 blocks, 16 heads, patch 2), our vocabulary
-        config = DiTConfig(name="causal-prefix-dit-2b", width=2048, depth=28, num_heads=16, patch_size=2,
-                           vocab_size=len(vocabulary), max_prompt_tokens=64,
-                           supported_sizes=((64, 64), (128, 128), (192, 192)), default_steps=20)
+        config = DiTConfig(
+            name="causal-prefix-dit-2b",
+            width=2048,
+            depth=28,
+            num_heads=16,
+            patch_size=2,
+            vocab_size=len(vocabulary),
+            max_prompt_tokens=64,
+            supported_sizes=((64, 64), (128, 128), (192, 192)),
+            default_steps=20,
+        )
         sizes = {"cfg": (64, 64), "uncond": (64, 64), "long": (128, 128), "xl": (192, 192)}
     if not (directory / "config.json").exists():
         torch.manual_seed(0)
@@ -95,8 +112,11 @@ def write_model(directory: Path, smoke: bool) -> dict:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {"config": config.to_dict(), "sizes": sizes,
-            "parameters": sum(p.numel() for p in _meta_model(config).parameters())}
+    return {
+        "config": config.to_dict(),
+        "sizes": sizes,
+        "parameters": sum(p.numel() for p in _meta_model(config).parameters()),
+    }
 
 
 def _meta_model(config):
@@ -125,8 +145,10 @@ def _bandwidth_rank(rank: int, world: int, port: int, smoke: bool, out: str) -> 
         x = torch.ones(elements, dtype=torch.bfloat16, device=device)
         a2a_out = torch.empty_like(x)
         ag_out = torch.empty(elements * world, dtype=torch.bfloat16, device=device)
-        ops = {"all_to_all": lambda: dist.all_to_all_single(a2a_out, x),
-               "all_gather": lambda: all_gather(ag_out, x)}
+        ops = {
+            "all_to_all": lambda out=a2a_out, x=x: dist.all_to_all_single(out, x),
+            "all_gather": lambda out=ag_out, x=x: all_gather(out, x),
+        }
         for name, op in ops.items():
             for _ in range(3):
                 op()
@@ -142,8 +164,15 @@ def _bandwidth_rank(rank: int, world: int, port: int, smoke: bool, out: str) -> 
             # nccl-tests conventions: all-gather's size is the output; bus bandwidth = alg * (n - 1) / n.
             size = nbytes * world if name == "all_gather" else nbytes
             alg = size / seconds / 1e9
-            results.append({"op": name, "bytes": size, "seconds": seconds, "algbw_GBps": alg,
-                            "busbw_GBps": alg * (world - 1) / world})
+            results.append(
+                {
+                    "op": name,
+                    "bytes": size,
+                    "seconds": seconds,
+                    "algbw_GBps": alg,
+                    "busbw_GBps": alg * (world - 1) / world,
+                }
+            )
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
     dist.barrier()
@@ -166,27 +195,27 @@ def measure_bandwidth(smoke: bool, out: Path) -> list[dict]:
 # -- engine runs ---------------------------------------------------------------------------------------------------
 
 
-def _run_request(engine, request_id: str, params) -> tuple[float, bytes]:
+def _run_request(engine, request_id: str, request) -> tuple[float, bytes]:
     from omni_server.protocol import RequestFinished
 
     start = time.perf_counter()
-    engine.add(request_id, params)
+    engine.add(request_id, request)
     while True:
         for output in engine.step():
             if isinstance(output, RequestFinished) and output.request_id == request_id:
                 if output.error is not None:
                     raise RuntimeError(f"{request_id}: {output.error.message}")
-                return time.perf_counter() - start, output.images[0]
+                return time.perf_counter() - start, output.outputs[0]
 
 
-def _throughput(engine, params, count: int) -> float:
+def _throughput(engine, request, count: int) -> float:
     """Images per second with ``count`` requests admitted together (their rows share every forward)."""
     from omni_server.protocol import RequestFinished
 
     start = time.perf_counter()
     pending = {f"tp-{i}" for i in range(count)}
     for request_id in sorted(pending):
-        engine.add(request_id, params)
+        engine.add(request_id, request)
     while pending:
         for output in engine.step():
             if isinstance(output, RequestFinished):
@@ -200,39 +229,57 @@ THROUGHPUT = {"1gpu", "1gpu-offload", "sp2", "sp2-offload-allgather"}  # 'long' 
 
 
 def run_config(name: str, model_dir: Path, sizes: dict, steps: int, repeats: int, smoke: bool) -> dict:
+    from omni_models import GenerationRequest, resolve_request
+    from omni_models.checkpoint import load_config
     from omni_server.config import ServerConfig
     from omni_server.engine import build_engine
-    from omni_server.protocol import GenerationParams
 
-    config = ServerConfig(model=str(model_dir), device="cpu" if smoke else "cuda",
-                          kv_cache_memory_bytes=(64 if smoke else 12 * 1024) * 2**20, max_num_seqs=2,
-                          log_level="warning", **CONFIGS[name])
+    config = ServerConfig(
+        model=str(model_dir),
+        device="cpu" if smoke else "cuda",
+        kv_cache_memory_bytes=(64 if smoke else 12 * 1024) * 2**20,
+        max_num_seqs=2,
+        log_level="warning",
+        **CONFIGS[name],
+    )
     if not smoke:
         torch.cuda.reset_peak_memory_stats(0)
     started = time.perf_counter()
     engine = build_engine(config)
-    patch = engine._pipeline.model.config.patch_size
+    patch = load_config(model_dir)[0].patch_size
     result: dict = {"start_s": time.perf_counter() - started, "world_size": config.world_size, "workloads": {}}
     if not smoke:
-        kv_bytes = engine.sizing.num_blocks * engine.sizing.bytes_per_block
+        kv_bytes = sum(cache.numel() * cache.element_size() for cache in engine.pipeline.kv_caches)
         result["rank0_device_bytes_excluding_kv"] = torch.cuda.memory_allocated(0) - kv_bytes
         result["rank0_kv_pool_bytes"] = kv_bytes
     try:
         for workload in RUNS[name]:
             height, width = sizes[workload]
-            params = GenerationParams(prompt=PROMPT, num_inference_steps=steps, seed=1234, height=height, width=width,
-                                      guidance_scale=4.0 if workload == "cfg" else 1.0)
-            _run_request(engine, f"{workload}-warm", params)  # kernels compiled and autotuned on every rank
+            request = resolve_request(
+                engine.info,
+                GenerationRequest(
+                    prompt=PROMPT,
+                    num_inference_steps=steps,
+                    seed=1234,
+                    height=height,
+                    width=width,
+                    guidance_scale=4.0 if workload == "cfg" else 1.0,
+                ),
+            )
+            _run_request(engine, f"{workload}-warm", request)  # kernels compiled and autotuned on every rank
             times, png = [], b""
             for i in range(repeats):
-                seconds, png = _run_request(engine, f"{workload}-{i}", params)
+                seconds, png = _run_request(engine, f"{workload}-{i}", request)
                 times.append(seconds)
-            result["workloads"][workload] = {"seconds": statistics.median(times), "all_seconds": times,
-                                             "image_tokens": (height // patch) * (width // patch),
-                                             "png": png.hex()}
+            result["workloads"][workload] = {
+                "seconds": statistics.median(times),
+                "all_seconds": times,
+                "image_tokens": (height // patch) * (width // patch),
+                "png": png.hex(),
+            }
             print(f"{name:>22} {workload:>6}: {statistics.median(times) * 1e3:9.1f} ms", flush=True)
             if workload == "long" and name in THROUGHPUT:
-                rate = _throughput(engine, params, 2)
+                rate = _throughput(engine, request, 2)
                 result["workloads"][workload]["images_per_s_2_concurrent"] = rate
                 print(f"{name:>22} {workload:>6}: {rate:.3f} images/s with 2 requests at once", flush=True)
     finally:
@@ -258,8 +305,9 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
-                        help="CPU over gloo, a tiny 4-head model, 2 steps")
+    parser.add_argument(
+        "--smoke", "--cpu-smoke", dest="smoke", action="store_true", help="CPU over gloo, a tiny 4-head model, 2 steps"
+    )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 20; smoke 2)")
     parser.add_argument("--repeats", type=int, default=None, help="timed requests per workload (default 3; smoke 1)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where the random model is written (reused)")
@@ -280,10 +328,16 @@ def main() -> int:
     model_dir = args.model_dir or args.out / "model"
     started = time.perf_counter()
     model = write_model(model_dir, smoke)
-    report: dict = {"smoke": smoke, "steps": steps, "repeats": repeats, "model": model, "torch": torch.__version__,
-                    "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                    if not smoke else ["cpu"], "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
-                    "model_write_s": time.perf_counter() - started}
+    report: dict = {
+        "smoke": smoke,
+        "steps": steps,
+        "repeats": repeats,
+        "model": model,
+        "torch": torch.__version__,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if not smoke else ["cpu"],
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        "model_write_s": time.perf_counter() - started,
+    }
     print(f"model ready in {report['model_write_s']:.1f} s ({model['parameters'] / 1e9:.2f} B parameters)", flush=True)
     report["bandwidth"] = measure_bandwidth(smoke, args.out)
     for row in report["bandwidth"]:
@@ -298,16 +352,24 @@ def main() -> int:
             png = figures.pop("png")
             base_pngs.setdefault(workload, png)  # the 1gpu image (1gpu runs first and every workload)
             base_seconds = runs["1gpu"]["workloads"][workload]["seconds"]
-            entry = {"seconds": figures["seconds"], "image_tokens": figures["image_tokens"],
-                     "images_per_s_2_concurrent": figures.get("images_per_s_2_concurrent"),
-                     "speedup_vs_1gpu": base_seconds / figures["seconds"],
-                     "psnr_vs_1gpu_db": psnr(_pixels(base_pngs[workload]), _pixels(png))}
+            entry = {
+                "seconds": figures["seconds"],
+                "image_tokens": figures["image_tokens"],
+                "images_per_s_2_concurrent": figures.get("images_per_s_2_concurrent"),
+                "speedup_vs_1gpu": base_seconds / figures["seconds"],
+                "psnr_vs_1gpu_db": psnr(_pixels(base_pngs[workload]), _pixels(png)),
+            }
             report["summary"][f"{name}/{workload}"] = entry
-            print(f"{name + '/' + workload:>30}: {entry['seconds'] * 1e3:9.1f} ms  {entry['speedup_vs_1gpu']:5.2f}x  "
-                  f"PSNR {entry['psnr_vs_1gpu_db']:.1f} dB", flush=True)
+            print(
+                f"{name + '/' + workload:>30}: {entry['seconds'] * 1e3:9.1f} ms  {entry['speedup_vs_1gpu']:5.2f}x  "
+                f"PSNR {entry['psnr_vs_1gpu_db']:.1f} dB",
+                flush=True,
+            )
         if "rank0_device_bytes_excluding_kv" in run:
-            print(f"{name:>22}: rank 0 device memory without KV {run['rank0_device_bytes_excluding_kv'] / 2**30:.2f} "
-                  "GiB", flush=True)
+            print(
+                f"{name:>22}: rank 0 device memory without KV {run['rank0_device_bytes_excluding_kv'] / 2**30:.2f} GiB",
+                flush=True,
+            )
         (args.out / "multi_gpu.json").write_text(json.dumps(report, indent=1))
     print(f"total {time.perf_counter() - started:.1f} s; wrote {args.out / 'multi_gpu.json'}")
     return 0

@@ -19,12 +19,17 @@ sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolv
 
 import torch  # noqa: E402
 
+from omni_models.flow import euler_times  # noqa: E402
 from omni_models.model import CausalPrefixDiT  # noqa: E402
 from omni_models.music.acoustic import (  # noqa: E402
-    PagedAcoustic, acoustic_config, acoustic_prefix_ids, denoise_window, generate_latents_paged, window_noise,
+    PagedAcoustic,
+    acoustic_config,
+    acoustic_prefix_ids,
+    denoise_window,
+    generate_latents_paged,
+    window_noise,
 )
 from omni_models.music.config import MusicConfig  # noqa: E402
-from omni_models.flow import euler_times  # noqa: E402
 
 
 def timed(fn, repeats: int, device: str) -> float:  # noqa: ANN001
@@ -52,8 +57,12 @@ def bench(config: MusicConfig, device: str, dtype: torch.dtype, repeats: int, fp
 
     def recompute() -> None:
         with torch.no_grad():
-            denoise_window(lambda x, t: dit(ids[None], x[None].to(dtype),
-                                            torch.full((1,), t, device=device))[0].float(), noise, times, None)
+            denoise_window(
+                lambda x, t: dit(ids[None], x[None].to(dtype), torch.full((1,), t, device=device))[0].float(),
+                noise,
+                times,
+                None,
+            )
 
     paged = PagedAcoustic(dit, config, device=device, dtype=dtype)
 
@@ -64,9 +73,13 @@ def bench(config: MusicConfig, device: str, dtype: torch.dtype, repeats: int, fp
     song = torch.randint(0, 16, (config.window_frames * 4, 8))
     song_time = timed(lambda: generate_latents_paged(paged, song, seed=0), 1, device)
     audio_seconds = song.shape[0] / config.frame_rate
-    out = {"recompute_s_per_window": timed(recompute, repeats, device),
-           "paged_s_per_window": timed(paged_window, repeats, device),
-           "song_seconds": song_time, "audio_seconds": audio_seconds, "rtf": song_time / audio_seconds}
+    out = {
+        "recompute_s_per_window": timed(recompute, repeats, device),
+        "paged_s_per_window": timed(paged_window, repeats, device),
+        "song_seconds": song_time,
+        "audio_seconds": audio_seconds,
+        "rtf": song_time / audio_seconds,
+    }
     out["paged_speedup"] = out["recompute_s_per_window"] / out["paged_s_per_window"]
     return out
 
@@ -79,13 +92,25 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shipped = json.loads((Path(__file__).resolve().parents[1] / "packages/models/src/omni_models/weights/"
-                          "omni-tones-tiny/config.json").read_text())
+    shipped = json.loads(
+        (
+            Path(__file__).resolve().parents[1] / "packages/models/src/omni_models/weights/omni-tones-tiny/config.json"
+        ).read_text()
+    )
     tiny = MusicConfig.from_dict(shipped)
     # A Music-3-sized acoustic window (200 frames) on a 1024-wide, 16-layer transformer: GPU-sized work.
-    large = dataclasses.replace(tiny, name="acoustic-large", acoustic_width=1024, acoustic_depth=16,
-                                acoustic_heads=16, window_frames=200, hop_frames=100, max_frames=2000,
-                                max_position_embeddings=4096, acoustic_steps=30)
+    large = dataclasses.replace(
+        tiny,
+        name="acoustic-large",
+        acoustic_width=1024,
+        acoustic_depth=16,
+        acoustic_heads=16,
+        window_frames=200,
+        hop_frames=100,
+        max_frames=2000,
+        max_position_embeddings=4096,
+        acoustic_steps=30,
+    )
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     members = [("tiny", tiny)] if args.smoke else [("tiny", tiny), ("large", large)]
     for name, config in members:

@@ -87,15 +87,26 @@ def sdpa_layout(q, k, v, layout: str) -> tuple:
 def sdpa_backends(q, k, v, device: str) -> dict:
     """{backend: {"ms", "layout"} or {"error"}} for every SDPA backend on the best of two layouts."""
     if device != "cuda":
-        return {"default": {"ms": timer_ms(lambda: F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), device), "layout": "token-major"}}
+        return {
+            "default": {
+                "ms": timer_ms(
+                    lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+                    device,
+                ),
+                "layout": "token-major",
+            }
+        }
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     layouts = {layout: sdpa_layout(q, k, v, layout) for layout in ("token-major", "head-major")}
     results = {}
     batch, seq, heads, _ = q.shape
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.MATH):
+    for backend in (
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ):
         name = backend.name.lower()
         if backend == SDPBackend.MATH and batch * heads * seq * seq * 2 > MATH_MAX_SCORE_BYTES:
             results[name] = {"error": f"skipped: {batch * heads * seq * seq * 2 / 2**30:.0f} GiB of scores"}
@@ -125,8 +136,10 @@ def flash_configs(fp8: bool = False) -> list[dict]:
 
 
 def config_name(config: dict, kernel: str = "flash") -> str:
-    return (f"{kernel}[{config['BLOCK_M']}x{config['BLOCK_N']},w{config.get('num_warps', 4)},"
-            f"s{config.get('num_stages', 3)}]")
+    return (
+        f"{kernel}[{config['BLOCK_M']}x{config['BLOCK_N']},w{config.get('num_warps', 4)},"
+        f"s{config.get('num_stages', 3)}]"
+    )
 
 
 class Shape:
@@ -135,8 +148,9 @@ class Shape:
     def __init__(self, batch, seq_len, page, heads, head_size, dtype, device, gen):
         self.batch, self.seq_len, self.page, self.heads, self.head_size = batch, seq_len, page, heads, head_size
         self.device = device
-        self.q, self.k, self.v = (torch.randn(batch, seq_len, heads, head_size, generator=gen).to(device, dtype)
-                                  for _ in range(3))
+        self.q, self.k, self.v = (
+            torch.randn(batch, seq_len, heads, head_size, generator=gen).to(device, dtype) for _ in range(3)
+        )
         blocks_per_row = seq_len // page
         num_blocks = batch * blocks_per_row
         perm = torch.randperm(num_blocks, generator=gen)
@@ -148,16 +162,20 @@ class Shape:
         self.values = self.v.reshape(-1, heads, head_size)
         write_kv_cache(self.keys, self.values, self.kv_cache, self.metadata)
         self.query = self.q.reshape(-1, heads, head_size)
-        self.scale = head_size ** -0.5
+        self.scale = head_size**-0.5
         self.flops = 4.0 * batch * heads * seq_len * seq_len * head_size
-        reference = F.scaled_dot_product_attention(self.q.transpose(1, 2), self.k.transpose(1, 2),
-                                                   self.v.transpose(1, 2))
+        reference = F.scaled_dot_product_attention(
+            self.q.transpose(1, 2), self.k.transpose(1, 2), self.v.transpose(1, 2)
+        )
         self.reference = reference.transpose(1, 2).reshape(-1, heads, head_size).float()
 
     def metadata_with(self, causal_prefix_len: int | None) -> PagedAttentionMetadata:
         rows = self.batch
         return PagedAttentionMetadata.build(
-            self.block_tables, block_size=self.page, query_lens=[self.seq_len] * rows, seq_lens=[self.seq_len] * rows,
+            self.block_tables,
+            block_size=self.page,
+            query_lens=[self.seq_len] * rows,
+            seq_lens=[self.seq_len] * rows,
             query_pos_start=[0] * rows,
             causal_prefix_lens=None if causal_prefix_len is None else [causal_prefix_len] * rows,
         )
@@ -195,8 +213,7 @@ class Shape:
         result = {"written": bool(not out.isnan().any())}
         if causal_prefix_len is None:
             diff = out.float() - self.reference
-            result.update(max_abs_err=diff.abs().max().item(),
-                          rel_l2_err=(diff.norm() / self.reference.norm()).item())
+            result.update(max_abs_err=diff.abs().max().item(), rel_l2_err=(diff.norm() / self.reference.norm()).item())
         result["ms"] = timer_ms(call, self.device)
         result["tflops"] = self.flops / result["ms"] / 1e9
         return result
@@ -211,8 +228,9 @@ def fp8_case(shape: Shape, bf16_out: torch.Tensor, configs: list[dict]) -> dict:
         out = torch.full(shape.query.shape, float("nan"), dtype=torch.bfloat16, device=shape.device)
 
         def call(config=config, out=out):
-            triton_flash.paged_attention_fp8(query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out,
-                                             config=config)
+            triton_flash.paged_attention_fp8(
+                query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=config
+            )
 
         try:
             call()
@@ -248,8 +266,10 @@ def repeated(shape: Shape, entry: dict, best_config: dict | None, repeats: int) 
     """The headline variants timed `repeats` times each, interleaved: median, min, max (ms) and median ratios."""
     out = torch.empty_like(shape.query)
     args = (shape.query, shape.kv_cache, shape.metadata, shape.scale, out)
-    calls = {"baseline": sdpa_call(shape, entry["baseline"]["backend"], entry["baseline"]["layout"]),
-             "sdpa_gather": Shape.caller("sdpa_gather", None, args)}
+    calls = {
+        "baseline": sdpa_call(shape, entry["baseline"]["backend"], entry["baseline"]["layout"]),
+        "sdpa_gather": Shape.caller("sdpa_gather", None, args),
+    }
     if "ms" in entry["paged"]["cudnn_paged"]:
         calls["cudnn_paged"] = Shape.caller("cudnn_paged", None, args)
     if best_config is not None:
@@ -259,13 +279,16 @@ def repeated(shape: Shape, entry: dict, best_config: dict | None, repeats: int) 
         config = next(c for c in flash_configs(fp8=True) if config_name(c, "fp8") == best_fp8)
         query, q_scale, cache, k_scale, v_scale = shape.fp8_inputs()
         calls["best_fp8"] = lambda: triton_flash.paged_attention_fp8(
-            query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=config)
+            query, q_scale, cache, k_scale, v_scale, shape.metadata, shape.scale, out, config=config
+        )
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             times[name].append(timer_ms(call, shape.device))
-    summary = {name: {"ms_median": statistics.median(t), "ms_min": min(t), "ms_max": max(t), "ms_all": t}
-               for name, t in times.items()}
+    summary = {
+        name: {"ms_median": statistics.median(t), "ms_min": min(t), "ms_max": max(t), "ms_all": t}
+        for name, t in times.items()
+    }
     base = summary["baseline"]["ms_median"]
     for name, timing in summary.items():
         timing["tflops_median"] = shape.flops / timing["ms_median"] / 1e9
@@ -296,6 +319,7 @@ def main() -> int:
         "baseline": "fastest SDPA backend per shape, each on the better of token-major and head-major layouts",
         "timer": "triton.testing.do_bench(warmup=25, rep=150, median)" if device == "cuda" else "perf_counter, 1 run",
     }
+
     def save() -> None:  # after every shape: a step stopped at its time limit keeps what it measured
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -306,8 +330,15 @@ def main() -> int:
         dense_done = None
         for page in pages:
             shape = Shape(batch, seq_len, page, heads, head_size, dtype, device, gen)
-            entry = {"seq_len": seq_len, "page_size": page, "batch": batch, "heads": heads, "head_size": head_size,
-                     "dtype": str(dtype).removeprefix("torch."), "flops": shape.flops}
+            entry = {
+                "seq_len": seq_len,
+                "page_size": page,
+                "batch": batch,
+                "heads": heads,
+                "head_size": head_size,
+                "dtype": str(dtype).removeprefix("torch."),
+                "flops": shape.flops,
+            }
             if dense_done is None:  # SDPA does not depend on the page size: time it once per S
                 dense_done = sdpa_backends(shape.q, shape.k, shape.v, device)
                 for backend in dense_done.values():
@@ -319,8 +350,9 @@ def main() -> int:
             entry["baseline"] = {"backend": best_name, **timed[best_name]}
             kernels = {"generic": shape.run("generic"), "sdpa_gather": shape.run("sdpa_gather")}
             cudnn_reason = cudnn_paged.unsupported_reason(shape.query, shape.kv_cache, shape.metadata)
-            kernels["cudnn_paged"] = shape.run("cudnn_paged") if cudnn_reason is None else {
-                "error": f"declined: {cudnn_reason}"}
+            kernels["cudnn_paged"] = (
+                shape.run("cudnn_paged") if cudnn_reason is None else {"error": f"declined: {cudnn_reason}"}
+            )
             for config in flash_configs():
                 if page % config["BLOCK_N"]:
                     continue
@@ -345,8 +377,14 @@ def main() -> int:
                 best_config = next((c for c in flash_configs() if config_name(c) == best_flash), None)
                 if best_config is None:  # the autotuned kernel won: time causal with the best pinned config
                     pinned = {k: v for k, v in ok.items() if k != "flash"}
-                    best_config = next((c for c in flash_configs() if pinned and config_name(c) == min(
-                        pinned, key=lambda k: pinned[k]["ms"])), None)
+                    best_config = next(
+                        (
+                            c
+                            for c in flash_configs()
+                            if pinned and config_name(c) == min(pinned, key=lambda k: pinned[k]["ms"])
+                        ),
+                        None,
+                    )
                 causal = {}
                 for label, length in (("prefix1024", min(1024, seq_len)), ("prefix_half", seq_len // 2)):
                     run = shape.run("flash", best_config, causal_prefix_len=length)
@@ -356,10 +394,10 @@ def main() -> int:
                 entry["causal_prefix"] = causal
                 if seq_len >= fp8_min:
                     bf16_out = torch.empty_like(shape.query)
-                    triton_flash.paged_attention(shape.query, shape.kv_cache, shape.metadata, shape.scale, bf16_out,
-                                                 config=best_config)
-                    fp8 = fp8_case(shape, bf16_out, [c for c in flash_configs(fp8=True)
-                                                     if page % c["BLOCK_N"] == 0])
+                    triton_flash.paged_attention(
+                        shape.query, shape.kv_cache, shape.metadata, shape.scale, bf16_out, config=best_config
+                    )
+                    fp8 = fp8_case(shape, bf16_out, [c for c in flash_configs(fp8=True) if page % c["BLOCK_N"] == 0])
                     entry["fp8"] = fp8
                     fp8_ok = {k: v for k, v in fp8.items() if "ms" in v}
                     if fp8_ok:
@@ -375,8 +413,12 @@ def main() -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
     print_summary(results)
-    ok = all(v.get("written", True) and v.get("max_abs_err", 0.0) < 0.05
-             for r in results for v in r["paged"].values() if "ms" in v)
+    ok = all(
+        v.get("written", True) and v.get("max_abs_err", 0.0) < 0.05
+        for r in results
+        for v in r["paged"].values()
+        if "ms" in v
+    )
     print_repeated(results)
     print(f"paged outputs fully written and within 0.05 of SDPA: {'ok' if ok else 'FAIL'}")
     meta["all_written_and_close"] = ok
@@ -392,8 +434,7 @@ def print_entry(entry: dict) -> None:
     for name, run in entry["paged"].items():
         if "ms" in run:
             err = f" err {run['max_abs_err']:.1e}" if "max_abs_err" in run else ""
-            print(f"    {name:<34}{run['tflops']:>8.1f} TFLOP/s {base_ms / run['ms']:>6.3f}x{err}",
-                  flush=True)
+            print(f"    {name:<34}{run['tflops']:>8.1f} TFLOP/s {base_ms / run['ms']:>6.3f}x{err}", flush=True)
         else:
             print(f"    {name:<34} {run['error']}", flush=True)
     for label, run in entry.get("causal_prefix", {}).items():
@@ -406,22 +447,27 @@ def print_entry(entry: dict) -> None:
 
 
 def print_summary(results: list[dict]) -> None:
-    print(f"\n{'S':>6} {'page':>5} {'B':>2} {'baseline':>10} {'base TF':>8} {'generic TF':>10} {'best paged':<34}"
-          f"{'TF':>7} {'x base':>7} {'causal x':>9} {'fp8 TF':>7} {'fp8 x':>6} {'fp8 err':>8} {'gather x':>9} {'cudnn x':>8}")
+    print(
+        f"\n{'S':>6} {'page':>5} {'B':>2} {'baseline':>10} {'base TF':>8} {'generic TF':>10} {'best paged':<34}"
+        f"{'TF':>7} {'x base':>7} {'causal x':>9} {'fp8 TF':>7} {'fp8 x':>6} {'fp8 err':>8} {'gather x':>9} "
+        f"{'cudnn x':>8}"
+    )
     for r in results:
         best = r.get("best_paged")
         paged = r["paged"].get(best, {}) if best else {}
         causal = r.get("causal_prefix", {}).get("prefix1024", {})
         fp8 = r.get("fp8", {}).get(r.get("best_fp8"), {}) if r.get("best_fp8") else {}
         generic = r["paged"].get("generic", {})
-        print(f"{r['seq_len']:>6} {r['page_size']:>5} {r['batch']:>2} {r['baseline']['backend']:>10} "
-              f"{r['baseline']['tflops']:>8.1f} {generic.get('tflops', float('nan')):>10.1f} {str(best):<34}"
-              f"{paged.get('tflops', float('nan')):>7.1f} {r.get('ratio_best_paged_vs_baseline', float('nan')):>6.3f}x"
-              f" {causal.get('time_vs_noncausal', float('nan')):>8.3f}x {fp8.get('tflops', float('nan')):>7.1f} "
-              f"{r.get('ratio_fp8_vs_best_bf16_paged', float('nan')):>5.2f}x "
-              f"{fp8.get('rel_l2_vs_bf16_kernel', float('nan')):>8.1e} "
-              f"{r.get('ratio_sdpa_gather_vs_baseline', float('nan')):>8.3f}x "
-              f"{r.get('ratio_cudnn_paged_vs_baseline', float('nan')):>7.3f}x")
+        print(
+            f"{r['seq_len']:>6} {r['page_size']:>5} {r['batch']:>2} {r['baseline']['backend']:>10} "
+            f"{r['baseline']['tflops']:>8.1f} {generic.get('tflops', float('nan')):>10.1f} {str(best):<34}"
+            f"{paged.get('tflops', float('nan')):>7.1f} {r.get('ratio_best_paged_vs_baseline', float('nan')):>6.3f}x"
+            f" {causal.get('time_vs_noncausal', float('nan')):>8.3f}x {fp8.get('tflops', float('nan')):>7.1f} "
+            f"{r.get('ratio_fp8_vs_best_bf16_paged', float('nan')):>5.2f}x "
+            f"{fp8.get('rel_l2_vs_bf16_kernel', float('nan')):>8.1e} "
+            f"{r.get('ratio_sdpa_gather_vs_baseline', float('nan')):>8.3f}x "
+            f"{r.get('ratio_cudnn_paged_vs_baseline', float('nan')):>7.3f}x"
+        )
 
 
 def print_repeated(results: list[dict]) -> None:
@@ -435,9 +481,13 @@ def print_repeated(results: list[dict]) -> None:
         for name in ("sdpa_gather", "cudnn_paged", "best_flash"):
             if name in rep:
                 lo, hi = rep[name]["x_baseline_range"]
-                parts.append(f"{name} {rep[name]['tflops_median']:.0f} {rep[name]['x_baseline']:.3f}x [{lo:.3f}, {hi:.3f}]")
+                parts.append(
+                    f"{name} {rep[name]['tflops_median']:.0f} {rep[name]['x_baseline']:.3f}x [{lo:.3f}, {hi:.3f}]"
+                )
         if "best_fp8" in rep:
-            parts.append(f"fp8 {rep['best_fp8']['tflops_median']:.0f} = {rep['best_fp8'].get('x_best_flash', 0):.2f}x flash")
+            parts.append(
+                f"fp8 {rep['best_fp8']['tflops_median']:.0f} = {rep['best_fp8'].get('x_best_flash', 0):.2f}x flash"
+            )
         print(f"S={r['seq_len']} page={r['page_size']}: " + "; ".join(parts))
 
 

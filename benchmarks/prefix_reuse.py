@@ -8,7 +8,7 @@ GPU run (large ~2B config, 512 prompt tokens, 1024 image tokens, 30 steps, CFG w
 Random weights are generated on the device, saved as safetensors in a temporary directory and loaded back
 through ``omni_models.load`` (so the timed model is the one a user would load). Both modes run the same job
 through ``diffusion_kv``'s paged ops:
-- reuse:     run_prefix once, then every step computes image tokens only and reads the cached prefix K/V;
+- reuse:     ``start`` writes the prefix K/V once, then every step computes image tokens only and reads them;
 - recompute: every step runs prompt and image tokens through every block (a model without prefix caching).
 The ideal saving comes from counting FLOPs (linears + attention) of both schedules; the target is realising
 at least 90% of it. The final latents of both modes are compared (they must agree within bf16 noise).
@@ -35,8 +35,10 @@ from omni_models.checkpoint import save_config, save_weights
 from omni_models.config import DiTConfig, large_config
 from omni_models.flow import euler_times, initial_noise
 from omni_models.model import CausalPrefixDiT
-from omni_models.pipeline import Pipeline, load
-from omni_models.runner import GenerationJob, GenerationRequest, GenerationRow, ScheduledJob
+from omni_models.pipeline import Pipeline
+from omni_models.registry import load
+from omni_models.request import ResolvedRequest
+from omni_models.runner import GenerationJob, GenerationRow
 from omni_models.training.scorer import adherence, read_scenes
 from omni_models.training.shapes import split_scenes
 
@@ -59,25 +61,45 @@ def make_job(config: DiTConfig, prefix_len: int, height: int, width: int, steps:
     generator = torch.Generator().manual_seed(seed)
     target_len = config.num_image_tokens(height, width)
     rows = tuple(
-        GenerationRow(role, tuple([1] + torch.randint(2, config.vocab_size, (prefix_len - 1,), generator=generator)
-                                  .tolist()), target_len)
+        GenerationRow(
+            role,
+            tuple([1] + torch.randint(2, config.vocab_size, (prefix_len - 1,), generator=generator).tolist()),
+            target_len,
+        )
         for role in ("cond", "uncond")
     )
-    request = GenerationRequest(prompt="<random tokens>", negative_prompt="<random tokens>", num_inference_steps=steps,
-                                guidance_scale=4.0, seed=seed, height=height, width=width)
-    return GenerationJob(request=request, rows=rows, latents=initial_noise(seed, (config.in_channels, height, width)),
-                         times=tuple(euler_times(steps).tolist()))
+    request = ResolvedRequest(
+        prompt="<random tokens>",
+        negative_prompt="<random tokens>",
+        n=1,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        guidance_scale=4.0,
+        true_cfg_scale=None,
+        seed=seed,
+    )
+    return GenerationJob(
+        request=request,
+        rows=rows,
+        latents=initial_noise(seed, (config.in_channels, height, width)),
+        times=tuple(euler_times(steps).tolist()),
+    )
 
 
 def run_image(pipe: Pipeline, template: GenerationJob, rows: tuple, *, reuse: bool) -> GenerationJob:
     """A fresh copy of the job through every step on the bound pool, whose row table holds ``rows``."""
-    job = GenerationJob(request=template.request, rows=template.rows, latents=template.latents.to(pipe.device),
-                        times=template.times)
-    batch = [ScheduledJob(job, rows)]
+    job = GenerationJob(
+        request=template.request,
+        rows=template.rows,
+        latents=template.latents.to(pipe.device),
+        times=template.times,
+        kv_rows=rows,
+    )
     if reuse:
-        pipe.run_prefix(batch)
+        pipe.start([job])
     for _ in range(job.num_steps):
-        pipe.run_denoise_step(batch, recompute_prefix=not reuse)
+        pipe.step([job], recompute_prefix=not reuse)
     return job
 
 
@@ -116,8 +138,13 @@ def check_shipped_model(device: torch.device, num_prompts: int, num_steps: int) 
         results[f"{backend}_adherence"] = adherence(read_scenes(images), scenes)
         pixels[backend] = torch.stack([torch.from_numpy(np.array(image, dtype=np.int16)) for image in images])
     difference = (pixels["paged"] - pixels["dense"]).abs().float()
-    results.update(num_prompts=num_prompts, num_steps=num_steps, dtype=str(pipe.dtype),
-                   max_pixel_diff=difference.max().item(), mean_pixel_diff=difference.mean().item())
+    results.update(
+        num_prompts=num_prompts,
+        num_steps=num_steps,
+        dtype=str(pipe.dtype),
+        max_pixel_diff=difference.max().item(),
+        mean_pixel_diff=difference.mean().item(),
+    )
     return results
 
 
@@ -130,24 +157,39 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--image-size", type=int, default=64, help="pixels per side; patch 2 -> (size/2)^2 tokens")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="timed images per mode (median and spread)")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="replay each step as a CUDA graph (omni_models.graphs), in both modes")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay each step as a CUDA graph (omni_models.graphs), in both modes",
+    )
     parser.add_argument("--skip-shipped", action="store_true", help="skip the shipped-model check")
     args = parser.parse_args(argv)
 
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
-        config = DiTConfig(name="smoke", width=64, depth=2, num_heads=2, patch_size=2, vocab_size=64,
-                           max_prompt_tokens=16, supported_sizes=((8, 8),))
+        config = DiTConfig(
+            name="smoke",
+            width=64,
+            depth=2,
+            num_heads=2,
+            patch_size=2,
+            vocab_size=64,
+            max_prompt_tokens=16,
+            supported_sizes=((8, 8),),
+        )
         args.steps, args.prompt_tokens, args.image_size, args.block_size, args.repeats = 3, 12, 8, 16, 1
     else:
         if not torch.cuda.is_available():
             sys.exit("prefix_reuse needs a CUDA device (use --smoke on CPU)")
         device, dtype = torch.device("cuda"), torch.bfloat16
         config = large_config()
-        config = DiTConfig.from_dict({**config.to_dict(), "max_prompt_tokens": max(config.max_prompt_tokens,
-                                                                                    args.prompt_tokens),
-                                      "supported_sizes": [[args.image_size, args.image_size]]})
+        config = DiTConfig.from_dict(
+            {
+                **config.to_dict(),
+                "max_prompt_tokens": max(config.max_prompt_tokens, args.prompt_tokens),
+                "supported_sizes": [[args.image_size, args.image_size]],
+            }
+        )
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -168,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup_s = time.perf_counter() - t0
 
     job = make_job(config, args.prompt_tokens, args.image_size, args.image_size, args.steps, seed=1)
-    rows = pipe.allocate_kv_caches_for([job], args.block_size)[0].rows  # a pool of exactly the job's rows
+    pipe.allocate_kv_caches_for([job], args.block_size)  # a pool of exactly the job's rows
+    rows = job.kv_rows
 
     reuse_times, reuse_latents = timed(pipe, job, rows, True, args.repeats)
     recompute_times, recompute_latents = timed(pipe, job, rows, False, args.repeats)
@@ -202,32 +245,42 @@ def main(argv: list[str] | None = None) -> dict:
         "ideal_saving": ideal_saving,
         "fraction_of_ideal_saving": measured_saving / ideal_saving,
         # The i-th reuse image against the i-th recompute image: the spread of the fraction over the repeats.
-        "fraction_of_ideal_per_pair": [(1 - a / b) / ideal_saving for a, b in zip(reuse_times, recompute_times)],
+        "fraction_of_ideal_per_pair": [
+            (1 - a / b) / ideal_saving for a, b in zip(reuse_times, recompute_times, strict=True)
+        ],
         "cuda_graphs": bool(args.cuda_graphs and device.type == "cuda"),
         "achieved_tflops_reuse": flops_reuse / t_reuse / 1e12,
         "achieved_tflops_recompute": flops_recompute / t_recompute / 1e12,
         "latents_max_abs_diff": diff.max().item(),
         "latents_rel_l2_diff": (diff.norm() / recompute_latents.norm()).item(),
     }
-    print(f"{result['device']}  {num_params / 1e9:.2f}B params  P={args.prompt_tokens} T={result['image_tokens']} "
-          f"rows={rows} steps={args.steps} {dtype}")
+    print(
+        f"{result['device']}  {num_params / 1e9:.2f}B params  P={args.prompt_tokens} T={result['image_tokens']} "
+        f"rows={rows} steps={args.steps} {dtype}"
+    )
     print(f"{'mode':<12}{'image s':>10}{'TFLOP/s':>10}")
     print(f"{'recompute':<12}{t_recompute:>10.3f}{result['achieved_tflops_recompute']:>10.1f}")
     print(f"{'reuse':<12}{t_reuse:>10.3f}{result['achieved_tflops_reuse']:>10.1f}")
     pairs = result["fraction_of_ideal_per_pair"]
-    print(f"speedup {result['speedup']:.3f}x (ideal {result['ideal_speedup']:.3f}x); median saving {measured_saving:.1%} "
-          f"of ideal {ideal_saving:.1%} -> {result['fraction_of_ideal_saving']:.1%} of ideal (target >= 90%); "
-          f"{len(pairs)} pairs {min(pairs):.1%}..{max(pairs):.1%}")
-    print(f"reuse vs recompute latents: max abs diff {result['latents_max_abs_diff']:.3e}, "
-          f"rel L2 {result['latents_rel_l2_diff']:.3e}")
+    print(
+        f"speedup {result['speedup']:.3f}x (ideal {result['ideal_speedup']:.3f}x); median saving {measured_saving:.1%} "
+        f"of ideal {ideal_saving:.1%} -> {result['fraction_of_ideal_saving']:.1%} of ideal (target >= 90%); "
+        f"{len(pairs)} pairs {min(pairs):.1%}..{max(pairs):.1%}"
+    )
+    print(
+        f"reuse vs recompute latents: max abs diff {result['latents_max_abs_diff']:.3e}, "
+        f"rel L2 {result['latents_rel_l2_diff']:.3e}"
+    )
     if not args.skip_shipped:
         del pipe
         shipped = check_shipped_model(device, *((2, 2) if args.smoke else (40, 20)))
         result["shipped_model"] = shipped
         paged_score, dense_score = shipped["paged_adherence"], shipped["dense_adherence"]
-        print(f"omni-shapes-tiny on {device.type} ({shipped['dtype']}), {shipped['num_prompts']} held-out prompts, "
-              f"guidance 4: attributes paged {paged_score['attributes']:.1%} / dense {dense_score['attributes']:.1%}; "
-              f"paged vs dense pixels max {shipped['max_pixel_diff']:.0f}, mean {shipped['mean_pixel_diff']:.3f}")
+        print(
+            f"omni-shapes-tiny on {device.type} ({shipped['dtype']}), {shipped['num_prompts']} held-out prompts, "
+            f"guidance 4: attributes paged {paged_score['attributes']:.1%} / dense {dense_score['attributes']:.1%}; "
+            f"paged vs dense pixels max {shipped['max_pixel_diff']:.0f}, mean {shipped['mean_pixel_diff']:.3f}"
+        )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "prefix_reuse.json").write_text(json.dumps(result, indent=1))

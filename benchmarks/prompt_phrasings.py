@@ -38,13 +38,18 @@ NOISE_SEED_BASE = 10000
 
 
 def phrase(template: str, scene) -> str:
-    from omni_models.training.captions import COLOR_NAMES, POSITION_NAMES, SHAPE_NAMES
-
     import re
 
+    from omni_models.training.captions import COLOR_NAMES, POSITION_NAMES, SHAPE_NAMES
+
     color = COLOR_NAMES[scene.color]
-    text = template.format(color=color, Color=color.capitalize(), shape=SHAPE_NAMES[scene.shape],
-                           position=POSITION_NAMES[scene.position], background=COLOR_NAMES[scene.background])
+    text = template.format(
+        color=color,
+        Color=color.capitalize(),
+        shape=SHAPE_NAMES[scene.shape],
+        position=POSITION_NAMES[scene.position],
+        background=COLOR_NAMES[scene.background],
+    )
     return re.sub(r"\b([aA]) (?=[aeiouAEIOU])", r"\1n ", text)  # "an orange"
 
 
@@ -71,26 +76,38 @@ def main() -> int:
         images = pipeline(prompts, guidance_scale=GUIDANCE, num_inference_steps=STEPS, seed=NOISE_SEED_BASE)
         return adherence(read_scenes([np.asarray(image) for image in images]), scenes)
 
-    results: dict[str, dict] = {"phrasings": PHRASINGS, "scenes": len(scenes), "guidance": GUIDANCE, "steps": STEPS,
-                                "with_grammar": {}, "without_grammar": {}, "examples": {}}
+    results: dict[str, dict] = {
+        "phrasings": PHRASINGS,
+        "scenes": len(scenes),
+        "guidance": GUIDANCE,
+        "steps": STEPS,
+        "with_grammar": {},
+        "without_grammar": {},
+        "examples": {},
+    }
     started = time.monotonic()
     for name, template in PHRASINGS.items():
         prompts = [phrase(template, scene) for scene in scenes]
         results["examples"][name] = {"prompt": prompts[0], "read_as": grammar(prompts[0])}
         results["with_grammar"][name] = run(prompts, True)
         results["without_grammar"][name] = run(prompts, False)
-        print(f"{name:28s} scene right with grammar {results['with_grammar'][name]['scene']:.3f}, "
-              f"tokens as typed {results['without_grammar'][name]['scene']:.3f}   e.g. {prompts[0]!r}", flush=True)
+        print(
+            f"{name:28s} scene right with grammar {results['with_grammar'][name]['scene']:.3f}, "
+            f"tokens as typed {results['without_grammar'][name]['scene']:.3f}   e.g. {prompts[0]!r}",
+            flush=True,
+        )
     pipeline.prompt_grammar = grammar
     reordered = [name for name in PHRASINGS if name != "canonical"]
     worst = min(results["with_grammar"][name]["scene"] for name in reordered)
     results["worst_reordered_scene_with_grammar"] = worst
     results["canonical_unchanged"] = results["with_grammar"]["canonical"] == results["without_grammar"]["canonical"]
     results["seconds"] = time.monotonic() - started
-    print(f"worst reordered phrasing: {worst:.3f} of scenes right at guidance {GUIDANCE:g} "
-          f"({'MET' if worst >= 0.9 else 'NOT MET'} >= 0.90); canonical "
-          f"{results['with_grammar']['canonical']['scene']:.3f} with and "
-          f"{results['without_grammar']['canonical']['scene']:.3f} without the grammar")
+    print(
+        f"worst reordered phrasing: {worst:.3f} of scenes right at guidance {GUIDANCE:g} "
+        f"({'MET' if worst >= 0.9 else 'NOT MET'} >= 0.90); canonical "
+        f"{results['with_grammar']['canonical']['scene']:.3f} with and "
+        f"{results['without_grammar']['canonical']['scene']:.3f} without the grammar"
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "prompt_phrasings.json").write_text(json.dumps(results, indent=1))

@@ -16,9 +16,9 @@ and VAE decode; medians with min/max):
 - ``concurrency``: 4 requests with different prompts through the stepwise batched API, one after another vs.
   all at once (one forward per step for all of them); throughput ratio and request-latency p50/p99 (all
   submitted at t=0);
-- ``engine``: the same 4 requests through omni-server's engine for the families (``omni_server.family_engine.
-  FamilyEngine``, in this process: admission, text encoders once per request, one batched step for every
-  running request, batched VAE decode, PNG encoding), served one after another vs. all submitted at once;
+- ``engine``: the same 4 requests through omni-server's engine (``omni_server.engine.EngineCore`` with the
+  families' batched strategy, in this process: admission, text encoders once per request, one batched step for
+  every running request, batched VAE decode, PNG encoding), served one after another vs. all submitted at once;
   throughput ratio and request-latency p50/p99 (all submitted at t=0). Needs ``omni-server`` importable (its
   engine needs msgspec and pydantic, not vLLM, FastAPI or uvicorn);
 - ``fp8``: omni with FP8 linears (fp8_cache, the family's ignore list), eager. With ``--fp8-source cache``
@@ -68,14 +68,32 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-PROMPTS = ["a red fox in the snow at night", "a photo of a green city at the top of a forest",
-           "a blue square on a white background", "a black cat on the left of an orange circle"]
+PROMPTS = [
+    "a red fox in the snow at night",
+    "a photo of a green city at the top of a forest",
+    "a blue square on a white background",
+    "a black cat on the left of an orange circle",
+]
 NEGATIVE = "blurry, bad quality"
-FULL = {"flux": dict(size=1024, steps=28, guidance_scale=3.5, true_cfg_scale=1.0, negative_prompt=None),
-        "qwen-image": dict(size=1024, steps=50, guidance_scale=None, true_cfg_scale=4.0, negative_prompt=NEGATIVE)}
-TARGETS = {"omni_vs_diffusers_eager": 1.0, "omni_vs_diffusers_compiled": 1.0, "fp8_vs_bf16": 1.3,
-           "offload_vs_resident_max": 1.10, "concurrency_throughput": 1.3}
+FULL = {
+    "flux": dict(size=1024, steps=28, guidance_scale=3.5, true_cfg_scale=1.0, negative_prompt=None),
+    "qwen-image": dict(size=1024, steps=50, guidance_scale=None, true_cfg_scale=4.0, negative_prompt=NEGATIVE),
+}
+TARGETS = {
+    "omni_vs_diffusers_eager": 1.0,
+    "omni_vs_diffusers_compiled": 1.0,
+    "fp8_vs_bf16": 1.3,
+    "offload_vs_resident_max": 1.10,
+    "concurrency_throughput": 1.3,
+}
 BATCHED_REQUESTS = 4
+
+
+def diffusers_family(name: str) -> Any:
+    """The ``DiffusersFamily`` registered as ``name`` (its backend module's ``FAMILY``)."""
+    from omni_models.registry import KINDS
+
+    return next(kind for kind in KINDS if kind.name == name).module().FAMILY
 
 
 def require_diffusers() -> None:
@@ -83,8 +101,10 @@ def require_diffusers() -> None:
         import diffusers  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        sys.exit(f"real_models.py needs diffusers and transformers ({exc}); carry the wheels listed in "
-                 "benchmarks/README.md ('Real families') and put them on PYTHONPATH")
+        sys.exit(
+            f"real_models.py needs diffusers and transformers ({exc}); carry the wheels listed in "
+            "benchmarks/README.md ('Real families') and put them on PYTHONPATH"
+        )
 
 
 def synchronize(device: torch.device) -> None:
@@ -93,8 +113,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def summary(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
-            "values": values}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": values,
+    }
 
 
 class ForwardTimer:
@@ -102,8 +127,10 @@ class ForwardTimer:
 
     def __init__(self, transformer: torch.nn.Module, device: torch.device) -> None:
         self.device, self.times, self._start = device, [], 0.0
-        self._handles = [transformer.register_forward_pre_hook(self._pre),
-                         transformer.register_forward_hook(self._post)]
+        self._handles = [
+            transformer.register_forward_pre_hook(self._pre),
+            transformer.register_forward_hook(self._post),
+        ]
 
     def _pre(self, module: Any, args: Any) -> None:
         synchronize(self.device)
@@ -173,21 +200,41 @@ class Bench:
 
     def _diffusers_call(self, pipe: Any, prompt: str, steps: int) -> Any:
         r = self.request
-        kwargs = dict(prompt=prompt, num_inference_steps=steps, height=r["size"], width=r["size"],
-                      true_cfg_scale=r["true_cfg_scale"], negative_prompt=r["negative_prompt"],
-                      generator=torch.Generator("cpu").manual_seed(self.seed))
+        kwargs = dict(
+            prompt=prompt,
+            num_inference_steps=steps,
+            height=r["size"],
+            width=r["size"],
+            true_cfg_scale=r["true_cfg_scale"],
+            negative_prompt=r["negative_prompt"],
+            generator=torch.Generator("cpu").manual_seed(self.seed),
+        )
         if r["guidance_scale"] is not None:
             kwargs["guidance_scale"] = r["guidance_scale"]
         return pipe(**kwargs).images[0]
 
     def _omni_call(self, pipe: Any, prompt: str, steps: int) -> Any:
         r = self.request
-        return pipe(prompt, negative_prompt=r["negative_prompt"], num_inference_steps=steps,
-                    guidance_scale=r["guidance_scale"], true_cfg_scale=r["true_cfg_scale"], seed=self.seed,
-                    height=r["size"], width=r["size"])[0]
+        return pipe(
+            prompt,
+            negative_prompt=r["negative_prompt"],
+            num_inference_steps=steps,
+            guidance_scale=r["guidance_scale"],
+            true_cfg_scale=r["true_cfg_scale"],
+            seed=self.seed,
+            height=r["size"],
+            width=r["size"],
+        )[0]
 
-    def timed(self, name: str, call: Callable[[Any, str, int], Any], pipe: Any, transformer: torch.nn.Module,
-              repeats: int, forwards_per_step: int) -> np.ndarray:
+    def timed(
+        self,
+        name: str,
+        call: Callable[[Any, str, int], Any],
+        pipe: Any,
+        transformer: torch.nn.Module,
+        repeats: int,
+        forwards_per_step: int,
+    ) -> np.ndarray:
         """Warm up (2 steps), then ``repeats`` full images: e2e seconds and transformer ms/step."""
         steps = self.request["steps"]
         call(pipe, PROMPTS[0], min(2, steps))
@@ -203,13 +250,19 @@ class Bench:
                 e2e.append(time.perf_counter() - start)
         finally:
             timer.remove()
-        per_step = [1e3 * sum(timer.times[i : i + forwards_per_step])
-                    for i in range(0, len(timer.times), forwards_per_step)]
+        per_step = [
+            1e3 * sum(timer.times[i : i + forwards_per_step]) for i in range(0, len(timer.times), forwards_per_step)
+        ]
         pixels = np.asarray(image)
-        self.results["phases"][name] = {"ms_per_step": summary(per_step), "e2e_s": summary(e2e),
-                                        "finite": bool(np.isfinite(pixels).all()), "pixel_std": float(pixels.std())}
-        self.log(f"{name}: {statistics.median(per_step):.1f} ms/step, {statistics.median(e2e):.2f} s/image "
-                 f"(n={repeats})")
+        self.results["phases"][name] = {
+            "ms_per_step": summary(per_step),
+            "e2e_s": summary(e2e),
+            "finite": bool(np.isfinite(pixels).all()),
+            "pixel_std": float(pixels.std()),
+        }
+        self.log(
+            f"{name}: {statistics.median(per_step):.1f} ms/step, {statistics.median(e2e):.2f} s/image (n={repeats})"
+        )
         return pixels
 
     # --- phases --------------------------------------------------------------------------------------------------
@@ -219,17 +272,26 @@ class Bench:
 
         build = synthetic.flux_components if self.args.family == "flux" else synthetic.qwen_image_components
         start = time.perf_counter()
-        components = build("tiny" if self.args.smoke else "full", device=self.device, dtype=self.dtype,
-                           text_encoder_layers=self.args.text_encoder_layers, words=" ".join(PROMPTS).split())
+        components = build(
+            "tiny" if self.args.smoke else "full",
+            device=self.device,
+            dtype=self.dtype,
+            text_encoder_layers=self.args.text_encoder_layers,
+            words=" ".join(PROMPTS).split(),
+        )
         synchronize(self.device)
         transformer = components["transformer"]
         self.results["build_s"] = time.perf_counter() - start
         self.results["transformer_params"] = sum(p.numel() for p in transformer.parameters())
         self.results["text_encoders"] = (
-            "full CLIP-L; T5-XXL width with %d layers" if self.args.family == "flux"
-            else "Qwen2.5-VL-7B text width with %d layers, 1-block vision tower") % self.args.text_encoder_layers
-        self.log(f"built {self.args.family}: transformer {self.results['transformer_params'] / 1e9:.2f}B params, "
-                 f"text encoders reduced ({self.results['text_encoders']})")
+            "full CLIP-L; T5-XXL width with %d layers"
+            if self.args.family == "flux"
+            else "Qwen2.5-VL-7B text width with %d layers, 1-block vision tower"
+        ) % self.args.text_encoder_layers
+        self.log(
+            f"built {self.args.family}: transformer {self.results['transformer_params'] / 1e9:.2f}B params, "
+            f"text encoders reduced ({self.results['text_encoders']})"
+        )
         return components
 
     def forwards_per_step(self, omni: bool) -> int:
@@ -237,18 +299,27 @@ class Bench:
         return 2 if guided and not omni else 1  # diffusers runs cond and uncond separately; omni batches them
 
     def _prepare(self, pipe: Any, index: int, steps: int) -> list:
+        from omni_models import GenerationRequest, resolve_request
+
         r = self.request
-        return pipe.prepare(PROMPTS[index % len(PROMPTS)], negative_prompt=r["negative_prompt"],
-                            num_inference_steps=steps, guidance_scale=r["guidance_scale"],
-                            true_cfg_scale=r["true_cfg_scale"], seed=self.seed + index, height=r["size"],
-                            width=r["size"])
+        request = GenerationRequest(
+            prompt=PROMPTS[index % len(PROMPTS)],
+            negative_prompt=r["negative_prompt"],
+            num_inference_steps=steps,
+            guidance_scale=r["guidance_scale"],
+            true_cfg_scale=r["true_cfg_scale"],
+            seed=self.seed + index,
+            height=r["size"],
+            width=r["size"],
+        )
+        return pipe.prepare(resolve_request(pipe.info, request))
 
     def _serve(self, pipe: Any, batches: list[list]) -> float:
         """Run the jobs of ``batches`` together (one forward per step for all); returns the completion time."""
         jobs = [job for batch in batches for job in batch]
-        pipe.encode_prompts(jobs)
+        pipe.start(jobs)
         while not all(job.finished for job in jobs):
-            pipe.run_denoise_step([job for job in jobs if not job.finished])
+            pipe.step([job for job in jobs if not job.finished])
         pipe.decode(jobs)
         synchronize(self.device)
         return time.perf_counter()
@@ -260,8 +331,9 @@ class Bench:
         self._serve(pipe, [self._prepare(pipe, i, steps) for i in range(count)])
         return time.perf_counter() - start
 
-    def _record_throughput(self, phase: str, steps: int, sequential: list[float], concurrent: list[float],
-                           **extra: Any) -> None:
+    def _record_throughput(
+        self, phase: str, steps: int, sequential: list[float], concurrent: list[float], **extra: Any
+    ) -> None:
         """Store and log one phase of 4 requests: each request's finish time (s since its run's start), served one
         after another and all at once; throughput is the ratio of the two runs' last finishes."""
         ratio = max(sequential) / max(concurrent)
@@ -270,14 +342,21 @@ class Bench:
             return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
         self.results["phases"][phase] = {
-            "steps": steps, "requests": len(sequential), **extra,
-            "sequential_total_s": max(sequential), "concurrent_total_s": max(concurrent), "throughput_ratio": ratio,
-            "sequential_latency_s": latency(sequential), "concurrent_latency_s": latency(concurrent),
+            "steps": steps,
+            "requests": len(sequential),
+            **extra,
+            "sequential_total_s": max(sequential),
+            "concurrent_total_s": max(concurrent),
+            "throughput_ratio": ratio,
+            "sequential_latency_s": latency(sequential),
+            "concurrent_latency_s": latency(concurrent),
         }
-        self.log(f"{phase}: {len(sequential)} requests x {steps} steps: {max(sequential):.2f} s one after another, "
-                 f"{max(concurrent):.2f} s together -> {ratio:.2f}x throughput; latency p50/p99 "
-                 f"{np.percentile(sequential, 50):.2f}/{np.percentile(sequential, 99):.2f} s vs "
-                 f"{np.percentile(concurrent, 50):.2f}/{np.percentile(concurrent, 99):.2f} s")
+        self.log(
+            f"{phase}: {len(sequential)} requests x {steps} steps: {max(sequential):.2f} s one after another, "
+            f"{max(concurrent):.2f} s together -> {ratio:.2f}x throughput; latency p50/p99 "
+            f"{np.percentile(sequential, 50):.2f}/{np.percentile(sequential, 99):.2f} s vs "
+            f"{np.percentile(concurrent, 50):.2f}/{np.percentile(concurrent, 99):.2f} s"
+        )
 
     def concurrency(self, pipe: Any) -> None:
         steps = self.args.concurrency_steps or self.request["steps"]
@@ -289,26 +368,38 @@ class Bench:
         self._record_throughput("concurrency", steps, sequential, [finished] * 4)
 
     def engine(self, pipe: Any) -> None:
-        """4 requests through omni-server's family engine: one after another, then all at once."""
+        """4 requests through omni-server's engine: one after another, then all at once."""
+        from omni_models import GenerationRequest, resolve_request
         from omni_server.config import build_config
-        from omni_server.family_engine import FamilyEngine
-        from omni_server.protocol import GenerationParams, RequestFinished
+        from omni_server.engine import EngineCore
+        from omni_server.protocol import RequestFinished
 
         r, steps = self.request, self.args.concurrency_steps or self.request["steps"]
-        config = build_config(None, model=f"random-{self.args.family}", device=str(self.device), warmup=False,
-                              max_num_seqs=4)
-        engine = FamilyEngine(pipe, config)
+        config = build_config(
+            None, model=f"random-{self.args.family}", device=str(self.device), warmup=False, max_num_seqs=4
+        )
+        engine = EngineCore(pipe, config)
         cfg = r["true_cfg_scale"] if r["negative_prompt"] is not None else None
 
-        def params(index: int) -> GenerationParams:
-            return GenerationParams(prompt=PROMPTS[index], negative_prompt=r["negative_prompt"],
-                                    num_inference_steps=steps, guidance_scale=r["guidance_scale"],
-                                    true_cfg_scale=cfg, height=r["size"], width=r["size"], seed=self.seed + index)
+        def request(index: int) -> Any:
+            return resolve_request(
+                engine.info,
+                GenerationRequest(
+                    prompt=PROMPTS[index],
+                    negative_prompt=r["negative_prompt"],
+                    num_inference_steps=steps,
+                    guidance_scale=r["guidance_scale"],
+                    true_cfg_scale=cfg,
+                    height=r["size"],
+                    width=r["size"],
+                    seed=self.seed + index,
+                ),
+            )
 
         def serve(indices: list[int], t0: float) -> list[float]:
             """Add the requests, run the engine until each finished; seconds from ``t0`` to each finish."""
             for i in indices:
-                engine.add(f"r{i}", params(i))
+                engine.add(f"r{i}", request(i))
             done: dict[str, float] = {}
             while len(done) < len(indices):
                 for output in engine.step():
@@ -325,15 +416,15 @@ class Bench:
         sequential = [serve([i], t0)[0] for i in range(4)]
         synchronize(self.device)
         concurrent = serve(list(range(4)), time.perf_counter())
-        self._record_throughput("engine", steps, sequential, concurrent,
-                                engine="omni_server.family_engine.FamilyEngine (in process)")
+        self._record_throughput(
+            "engine", steps, sequential, concurrent, engine="omni_server.engine.EngineCore (in process)"
+        )
         engine.close()
 
     def offload(self, components: dict[str, Any], build: Callable[..., Any], resident_pixels: np.ndarray) -> None:
         """Offload the resident transformer in place (its block bytes are packed straight from the device into
         pinned host buffers), time it, then put it back on the device."""
         from dlo_offload import enable_layerwise_offload
-
         from omni_models.integrations import family_offload_plan
 
         transformer = components["transformer"]
@@ -342,46 +433,64 @@ class Bench:
         resident_batched_s = None
         if "offload_batched" in self.args.phases:
             resident_batched_s = self._serve_together_s(build(components), BATCHED_REQUESTS, batched_steps)
-            self.log(f"resident: {BATCHED_REQUESTS} requests x {batched_steps} steps together in "
-                     f"{resident_batched_s:.2f} s")
+            self.log(
+                f"resident: {BATCHED_REQUESTS} requests x {batched_steps} steps together in {resident_batched_s:.2f} s"
+            )
         synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         start = time.perf_counter()
-        handle = enable_layerwise_offload(transformer, family_offload_plan(self.args.family,
-                                                                           self.args.offload_resident_blocks),
-                                          device=self.device, use_allgather=False)
+        plan = family_offload_plan(diffusers_family(self.args.family).declaration, self.args.offload_resident_blocks)
+        handle = enable_layerwise_offload(transformer, plan, device=self.device, use_allgather=False)
         enable_s = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         after = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         pipe = build(components, offload=handle)
-        pixels = self.timed("offload", self._omni_call, pipe, transformer, self.args.repeats,
-                            self.forwards_per_step(True))
+        pixels = self.timed(
+            "offload", self._omni_call, pipe, transformer, self.args.repeats, self.forwards_per_step(True)
+        )
         phase = self.results["phases"]["offload"]
-        phase.update(enable_s=enable_s, resident_blocks=self.args.offload_resident_blocks,
-                     slot_bytes=handle.slot_nbytes, resident_bytes=handle.resident_nbytes,
-                     host_bytes=handle.host_nbytes, pinned=handle.pinned, transformer_bytes=transformer_bytes,
-                     device_weight_bytes_expected=handle.resident_nbytes + 2 * handle.slot_nbytes,
-                     pixels_equal_resident=bool(np.array_equal(pixels, resident_pixels)))
+        phase.update(
+            enable_s=enable_s,
+            resident_blocks=self.args.offload_resident_blocks,
+            slot_bytes=handle.slot_nbytes,
+            resident_bytes=handle.resident_nbytes,
+            host_bytes=handle.host_nbytes,
+            pinned=handle.pinned,
+            transformer_bytes=transformer_bytes,
+            device_weight_bytes_expected=handle.resident_nbytes + 2 * handle.slot_nbytes,
+            pixels_equal_resident=bool(np.array_equal(pixels, resident_pixels)),
+        )
         if self.device.type == "cuda":
             phase["device_weight_bytes_measured"] = after - (before - transformer_bytes)
             bandwidth = pinned_copy_bandwidth(handle.slot_nbytes, self.device)
             forwards = self.forwards_per_step(True)
-            phase.update(pinned_copy_gb_s=bandwidth / 1e9,
-                         copy_bound_ms_per_step=1e3 * forwards * handle.host_nbytes / bandwidth)
-            self.log(f"offload: a plain pinned copy runs at {bandwidth / 1e9:.1f} GB/s, so streaming "
-                     f"{handle.host_nbytes / 2**30:.1f} GiB per forward takes at least "
-                     f"{phase['copy_bound_ms_per_step']:.1f} ms/step")
-        self.log(f"offload: device weights {phase['device_weight_bytes_expected'] / 2**20:.1f} MiB "
-                 f"(resident parts + 2 slots) of {transformer_bytes / 2**20:.1f} MiB; image equals resident: "
-                 f"{phase['pixels_equal_resident']}")
+            phase.update(
+                pinned_copy_gb_s=bandwidth / 1e9, copy_bound_ms_per_step=1e3 * forwards * handle.host_nbytes / bandwidth
+            )
+            self.log(
+                f"offload: a plain pinned copy runs at {bandwidth / 1e9:.1f} GB/s, so streaming "
+                f"{handle.host_nbytes / 2**30:.1f} GiB per forward takes at least "
+                f"{phase['copy_bound_ms_per_step']:.1f} ms/step"
+            )
+        self.log(
+            f"offload: device weights {phase['device_weight_bytes_expected'] / 2**20:.1f} MiB "
+            f"(resident parts + 2 slots) of {transformer_bytes / 2**20:.1f} MiB; image equals resident: "
+            f"{phase['pixels_equal_resident']}"
+        )
         if resident_batched_s is not None:
             offload_batched_s = self._serve_together_s(pipe, BATCHED_REQUESTS, batched_steps)
-            phase["batched"] = {"requests": BATCHED_REQUESTS, "steps": batched_steps,
-                                "resident_s": resident_batched_s, "offload_s": offload_batched_s,
-                                "ratio": offload_batched_s / resident_batched_s}
-            self.log(f"offload: {BATCHED_REQUESTS} requests together {offload_batched_s:.2f} s vs resident "
-                     f"{resident_batched_s:.2f} s -> {offload_batched_s / resident_batched_s:.3f}x")
+            phase["batched"] = {
+                "requests": BATCHED_REQUESTS,
+                "steps": batched_steps,
+                "resident_s": resident_batched_s,
+                "offload_s": offload_batched_s,
+                "ratio": offload_batched_s / resident_batched_s,
+            }
+            self.log(
+                f"offload: {BATCHED_REQUESTS} requests together {offload_batched_s:.2f} s vs resident "
+                f"{resident_batched_s:.2f} s -> {offload_batched_s / resident_batched_s:.3f}x"
+            )
         handle.remove()  # streamed blocks come back to the host
         transformer.to(self.device)
 
@@ -396,8 +505,10 @@ class Bench:
         free = shutil.disk_usage(work).free
         source = self.args.fp8_source
         if source == "cache" and free < needed:
-            source = f"online (work dir {work.parent} has {free / 2**30:.0f} GiB free; the cache path needs " \
-                     f"{needed / 2**30:.0f} GiB)"
+            source = (
+                f"online (work dir {work.parent} has {free / 2**30:.0f} GiB free; the cache path needs "
+                f"{needed / 2**30:.0f} GiB)"
+            )
         phase: dict[str, Any] = {"source": source}
         try:
             if source == "cache":
@@ -409,8 +520,12 @@ class Bench:
                     gc.collect()
                     start = time.perf_counter()
                     quantized, report = load_fp8_transformer_component(
-                        work / "transformer", self.args.family, device=self.device, dtype=self.dtype,
-                        cache_dir=work / "fp8-cache")
+                        work / "transformer",
+                        diffusers_family(self.args.family),
+                        device=self.device,
+                        dtype=self.dtype,
+                        cache_dir=work / "fp8-cache",
+                    )
                     synchronize(self.device)
                     timings[attempt] = time.perf_counter() - start
                     if attempt == "cold":
@@ -420,13 +535,16 @@ class Bench:
                 fp8_components = {**components, "transformer": quantized}
             else:  # a copy: the compiled phase still needs the bf16 weights
                 quantized = copy.deepcopy(transformer)
-                report = quantize_family_fp8(self.args.family, quantized)
+                report = quantize_family_fp8(diffusers_family(self.args.family).declaration, quantized)
                 fp8_components = {**components, "transformer": quantized}
             phase["quantized_linears"] = len(report.quantized)
             pipe = build(fp8_components, fp8=report)
-            pixels = self.timed("fp8", self._omni_call, pipe, quantized, self.args.repeats, self.forwards_per_step(True))
-            self.results["phases"]["fp8"].update(phase, psnr_vs_bf16_db=psnr(pixels, bf16_pixels),
-                                                 ssim_vs_bf16=ssim(pixels, bf16_pixels))
+            pixels = self.timed(
+                "fp8", self._omni_call, pipe, quantized, self.args.repeats, self.forwards_per_step(True)
+            )
+            self.results["phases"]["fp8"].update(
+                phase, psnr_vs_bf16_db=psnr(pixels, bf16_pixels), ssim_vs_bf16=ssim(pixels, bf16_pixels)
+            )
             if "fp8_compiled" in self.args.phases:
                 self.fp8_compiled(pipe, quantized, bf16_pixels)
         finally:
@@ -444,22 +562,24 @@ class Bench:
         linears = [m for m in quantized.modules() if isinstance(m, FP8Linear)]
         for scaling in self.args.fp8_compiled_scaling:
             for linear in linears:
-                linear.activation_scaling = scaling
+                linear.activation_scaling = scaling  # each FP8Linear's own (quantize_model's argument)
             torch._dynamo.reset()
             start = time.perf_counter()
             pipe.compile_transformer(backend=backend)
             name = "fp8_compiled" if scaling == "tensor" else f"fp8_compiled_{scaling}"
-            pixels = self.timed(name, self._omni_call, pipe, quantized, self.args.repeats,
-                                self.forwards_per_step(True))
-            self.results["phases"][name].update(first_call_and_runs_s=time.perf_counter() - start,
-                                                activation_scaling=scaling,
-                                                psnr_vs_bf16_db=psnr(pixels, bf16_pixels),
-                                                ssim_vs_bf16=ssim(pixels, bf16_pixels))
+            pixels = self.timed(name, self._omni_call, pipe, quantized, self.args.repeats, self.forwards_per_step(True))
+            self.results["phases"][name].update(
+                first_call_and_runs_s=time.perf_counter() - start,
+                activation_scaling=scaling,
+                psnr_vs_bf16_db=psnr(pixels, bf16_pixels),
+                ssim_vs_bf16=ssim(pixels, bf16_pixels),
+            )
         for linear in linears:
-            del linear.activation_scaling  # back to the class default
+            linear.activation_scaling = "tensor"  # back to what the model was quantized with
 
-    def compiled(self, components: dict[str, Any], reference: Any, build: Callable[..., Any],
-                 diffusers_processors: dict) -> None:
+    def compiled(
+        self, components: dict[str, Any], reference: Any, build: Callable[..., Any], diffusers_processors: dict
+    ) -> None:
         transformer = components["transformer"]
         backend = "eager" if self.args.smoke else "inductor"
         if self.args.baseline == "diffusers":
@@ -467,8 +587,14 @@ class Bench:
             torch._dynamo.reset()
             start = time.perf_counter()
             transformer.compile_repeated_blocks(backend=backend)
-            self.timed("diffusers_compiled", self._diffusers_call, reference, transformer, self.args.repeats,
-                       self.forwards_per_step(False))
+            self.timed(
+                "diffusers_compiled",
+                self._diffusers_call,
+                reference,
+                transformer,
+                self.args.repeats,
+                self.forwards_per_step(False),
+            )
             self.results["phases"]["diffusers_compiled"]["first_call_and_runs_s"] = time.perf_counter() - start
         torch._dynamo.reset()
         pipe = build(components)  # installs omni's processors again
@@ -486,19 +612,22 @@ class Bench:
         transformer = components["transformer"]
 
         def build(parts: dict[str, Any], **kwargs: Any) -> Any:
-            return build_family_pipeline(family, parts, name=f"random-{family}", device=self.device,
-                                         dtype=self.dtype, **kwargs)
+            return build_family_pipeline(
+                diffusers_family(family), parts, name=f"random-{family}", device=self.device, dtype=self.dtype, **kwargs
+            )
 
         reference = synthetic.diffusers_pipeline(family, components)
         reference.set_progress_bar_config(disable=True)
         diffusers_processors = dict(transformer.attn_processors)
         steps_eager = self.forwards_per_step(False)
         if self.args.baseline == "diffusers":
-            diffusers_pixels = self.timed("diffusers", self._diffusers_call, reference, transformer,
-                                          self.args.repeats, steps_eager)
+            diffusers_pixels = self.timed(
+                "diffusers", self._diffusers_call, reference, transformer, self.args.repeats, steps_eager
+            )
         pipe = build(components)
-        omni_pixels = self.timed("omni", self._omni_call, pipe, transformer, self.args.repeats,
-                                 self.forwards_per_step(True))
+        omni_pixels = self.timed(
+            "omni", self._omni_call, pipe, transformer, self.args.repeats, self.forwards_per_step(True)
+        )
         if self.args.baseline == "diffusers":
             self.results["phases"]["omni"]["psnr_vs_diffusers_db"] = psnr(omni_pixels, diffusers_pixels)
         if "concurrency" in phases:
@@ -523,14 +652,13 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
         return phases[base][key]["median"] / phases[new][key]["median"]
 
     lines = []
-    for label, base, new, target in (("omni bf16 vs diffusers, eager", "diffusers", "omni", "omni_vs_diffusers_eager"),
-                                     ("omni bf16 vs diffusers, compiled", "diffusers_compiled", "omni_compiled",
-                                      "omni_vs_diffusers_compiled"),
-                                     ("omni FP8 vs omni bf16, eager", "omni", "fp8", "fp8_vs_bf16"),
-                                     ("omni FP8 vs omni bf16, compiled", "omni_compiled", "fp8_compiled",
-                                      "fp8_vs_bf16"),
-                                     ("omni FP8 (row scales) vs omni bf16, compiled", "omni_compiled",
-                                      "fp8_compiled_row", "fp8_vs_bf16")):
+    for label, base, new, target in (
+        ("omni bf16 vs diffusers, eager", "diffusers", "omni", "omni_vs_diffusers_eager"),
+        ("omni bf16 vs diffusers, compiled", "diffusers_compiled", "omni_compiled", "omni_vs_diffusers_compiled"),
+        ("omni FP8 vs omni bf16, eager", "omni", "fp8", "fp8_vs_bf16"),
+        ("omni FP8 vs omni bf16, compiled", "omni_compiled", "fp8_compiled", "fp8_vs_bf16"),
+        ("omni FP8 (row scales) vs omni bf16, compiled", "omni_compiled", "fp8_compiled_row", "fp8_vs_bf16"),
+    ):
         if base in phases and new in phases:
             for key, unit in (("ms_per_step", "transformer ms/step"), ("e2e_s", "end-to-end s")):
                 value = speed(base, new, key)
@@ -542,13 +670,25 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
             lines.append((f"offload time / resident time ({unit})", value, target, value <= target))
         batched = phases["offload"].get("batched")
         if batched:
-            lines.append((f"offload time / resident time, {batched['requests']} requests together", batched["ratio"],
-                          TARGETS["offload_vs_resident_max"], batched["ratio"] <= TARGETS["offload_vs_resident_max"]))
+            lines.append(
+                (
+                    f"offload time / resident time, {batched['requests']} requests together",
+                    batched["ratio"],
+                    TARGETS["offload_vs_resident_max"],
+                    batched["ratio"] <= TARGETS["offload_vs_resident_max"],
+                )
+            )
     for phase, label in (("concurrency", "stepwise API"), ("engine", "omni-server engine")):
         if phase in phases:
             value = phases[phase]["throughput_ratio"]
-            lines.append((f"4 concurrent vs one after another, {label} (throughput)", value,
-                          TARGETS["concurrency_throughput"], value >= TARGETS["concurrency_throughput"]))
+            lines.append(
+                (
+                    f"4 concurrent vs one after another, {label} (throughput)",
+                    value,
+                    TARGETS["concurrency_throughput"],
+                    value >= TARGETS["concurrency_throughput"],
+                )
+            )
     return lines
 
 
@@ -560,23 +700,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny configs, fp32, 32x32, 3 steps (CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed images per phase (default 3 FLUX, 1 Qwen)")
     parser.add_argument("--steps", type=int, default=None, help="override the family's step count")
-    parser.add_argument("--concurrency-steps", type=int, default=None,
-                        help="steps per request in the concurrency phase (default: all; 10 for Qwen-Image)")
+    parser.add_argument(
+        "--concurrency-steps",
+        type=int,
+        default=None,
+        help="steps per request in the concurrency phase (default: all; 10 for Qwen-Image)",
+    )
     parser.add_argument("--text-encoder-layers", type=int, default=2)
     parser.add_argument("--offload-resident-blocks", type=int, default=0)
     parser.add_argument("--fp8-source", choices=("cache", "online"), default="cache")
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()),
-                        help="where the bf16 transformer and its FP8 cache are written (removed afterwards)")
-    parser.add_argument("--phases", nargs="+", default=["concurrency", "engine", "offload", "compiled", "fp8"],
-                        choices=("concurrency", "engine", "offload", "offload_batched", "compiled", "fp8",
-                                 "fp8_compiled"),
-                        help="phases after diffusers and omni eager (which always run)")
-    parser.add_argument("--baseline", choices=("diffusers", "none"), default="diffusers",
-                        help="'none' skips diffusers' pipeline (eager and compiled)")
-    parser.add_argument("--fp8-compiled-scaling", nargs="+", choices=("tensor", "row"), default=["tensor", "row"],
-                        help="activation scalings timed in the fp8_compiled phase")
-    parser.add_argument("--offload-batched-steps", type=int, default=8,
-                        help="steps per request in the offload_batched phase")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where the bf16 transformer and its FP8 cache are written (removed afterwards)",
+    )
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        default=["concurrency", "engine", "offload", "compiled", "fp8"],
+        choices=("concurrency", "engine", "offload", "offload_batched", "compiled", "fp8", "fp8_compiled"),
+        help="phases after diffusers and omni eager (which always run)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=("diffusers", "none"),
+        default="diffusers",
+        help="'none' skips diffusers' pipeline (eager and compiled)",
+    )
+    parser.add_argument(
+        "--fp8-compiled-scaling",
+        nargs="+",
+        choices=("tensor", "row"),
+        default=["tensor", "row"],
+        help="activation scalings timed in the fp8_compiled phase",
+    )
+    parser.add_argument(
+        "--offload-batched-steps", type=int, default=8, help="steps per request in the offload_batched phase"
+    )
     args = parser.parse_args(argv)
     require_diffusers()
     if args.repeats is None:
@@ -584,30 +745,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.concurrency_steps is None and args.family == "qwen-image" and not args.smoke:
         args.concurrency_steps = 10
     results = Bench(args).run()
-    results.update(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                   torch=torch.__version__, dtype="float32" if args.smoke else "bfloat16", smoke=args.smoke,
-                   repeats=args.repeats, targets=TARGETS)
+    results.update(
+        device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        torch=torch.__version__,
+        dtype="float32" if args.smoke else "bfloat16",
+        smoke=args.smoke,
+        repeats=args.repeats,
+        targets=TARGETS,
+    )
     import diffusers
     import transformers
 
     results.update(diffusers=diffusers.__version__, transformers=transformers.__version__)
     results["ratios"] = [{"what": w, "ratio": v, "target": t, "met": m} for w, v, t, m in ratios(results)]
-    print(f"\n{args.family} on {results['device']} ({results['dtype']}, {results['request']['size']}^2, "
-          f"{results['request']['steps']} steps, text encoders: {results['text_encoders']})")
+    print(
+        f"\n{args.family} on {results['device']} ({results['dtype']}, {results['request']['size']}^2, "
+        f"{results['request']['steps']} steps, text encoders: {results['text_encoders']})"
+    )
     for phase, values in results["phases"].items():
         if "ms_per_step" in values:
             step, e2e = values["ms_per_step"], values["e2e_s"]
-            print(f"  {phase:<20} {step['median']:9.1f} ms/step [{step['min']:.1f}, {step['max']:.1f}]  "
-                  f"{e2e['median']:8.2f} s/image [{e2e['min']:.2f}, {e2e['max']:.2f}]")
+            print(
+                f"  {phase:<20} {step['median']:9.1f} ms/step [{step['min']:.1f}, {step['max']:.1f}]  "
+                f"{e2e['median']:8.2f} s/image [{e2e['min']:.2f}, {e2e['max']:.2f}]"
+            )
     for what, value, target, met in ratios(results):
         relation = "<=" if "offload" in what else ">="
         print(f"  {what}: {value:.2f}x (target {relation} {target}x) {'MET' if met else 'NOT MET'}")
     if "fp8" in results["phases"]:
         fp8 = results["phases"]["fp8"]
-        print(f"  FP8 vs bf16 image: PSNR {fp8['psnr_vs_bf16_db']:.1f} dB, SSIM {fp8['ssim_vs_bf16']:.4f} "
-              f"(weights: {fp8['source']})")
+        print(
+            f"  FP8 vs bf16 image: PSNR {fp8['psnr_vs_bf16_db']:.1f} dB, SSIM {fp8['ssim_vs_bf16']:.4f} "
+            f"(weights: {fp8['source']})"
+        )
     if "psnr_vs_diffusers_db" in results["phases"]["omni"]:
-        print(f"  omni vs diffusers image (bf16 parity): PSNR {results['phases']['omni']['psnr_vs_diffusers_db']:.1f} dB")
+        print(
+            f"  omni vs diffusers image (bf16 parity): PSNR {results['phases']['omni']['psnr_vs_diffusers_db']:.1f} dB"
+        )
     print(f"  total {results['total_s']:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"real_models_{args.family}.json").write_text(json.dumps(results, indent=1, default=str))

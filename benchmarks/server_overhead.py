@@ -73,14 +73,19 @@ def main() -> int:
 
     import omni_models
     from omni_server.config import build_config
-    from omni_server.loader import load_pipeline
+    from omni_server.engine import load_pipeline
 
     dtype = args.dtype
     config = build_config(None, model=args.model, device=device, dtype=dtype)
     pipeline = load_pipeline(config)
-    height, width = pipeline.info.supported_sizes[0]
-    body = {"prompt": "a red circle on a blue background", "num_inference_steps": steps, "seed": 1234,
-            "size": f"{width}x{height}", "response_format": "b64_json"}
+    height, width = pipeline.info.image.default_size
+    body = {
+        "prompt": "a red circle on a blue background",
+        "num_inference_steps": steps,
+        "seed": 1234,
+        "size": f"{width}x{height}",
+        "response_format": "b64_json",
+    }
     payload = json.dumps(body).encode()
 
     def direct() -> float:
@@ -93,8 +98,24 @@ def main() -> int:
     def start_server(kv_sizing: list[str]) -> tuple[subprocess.Popen, int]:
         port = free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "omni_server", "serve", args.model, "--device", device, "--dtype", dtype,
-             "--port", str(port), "--log-level", "warning", "--max-num-seqs", "1", *kv_sizing],
+            [
+                sys.executable,
+                "-m",
+                "omni_server",
+                "serve",
+                args.model,
+                "--device",
+                device,
+                "--dtype",
+                dtype,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--max-num-seqs",
+                "1",
+                *kv_sizing,
+            ],
             env=os.environ.copy(),
         )
         try:
@@ -122,8 +143,7 @@ def main() -> int:
 
         def over_http() -> float:
             start = time.perf_counter()
-            conn.request("POST", "/v1/images/generations", body=payload,
-                         headers={"Content-Type": "application/json"})
+            conn.request("POST", "/v1/images/generations", body=payload, headers={"Content-Type": "application/json"})
             response = conn.getresponse()
             data = response.read()
             elapsed = time.perf_counter() - start
@@ -133,8 +153,11 @@ def main() -> int:
 
         conn.request("GET", "/metrics")
         metrics_text = conn.getresponse().read().decode()
-        kv_blocks_total = next(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-                               if line.startswith("omni:kv_cache_blocks_total"))
+        kv_blocks_total = next(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics_text.splitlines()
+            if line.startswith("omni:kv_cache_blocks_total")
+        )
         for _ in range(warmup):
             direct()
             over_http()
@@ -147,11 +170,19 @@ def main() -> int:
         server.wait(30)
 
     figures = {
-        "model": args.model, "device": device, "dtype": dtype, "size": f"{width}x{height}", "steps": steps,
-        "requests": requests, "kv_sizing": " ".join(kv_sizing), "kv_blocks_total": kv_blocks_total,
+        "model": args.model,
+        "device": device,
+        "dtype": dtype,
+        "size": f"{width}x{height}",
+        "steps": steps,
+        "requests": requests,
+        "kv_sizing": " ".join(kv_sizing),
+        "kv_blocks_total": kv_blocks_total,
         "profiled_start_error": profiled_start_error,
-        "direct_p50_ms": 1e3 * statistics.median(direct_s), "direct_p99_ms": 1e3 * percentile(direct_s, 99),
-        "http_p50_ms": 1e3 * statistics.median(http_s), "http_p99_ms": 1e3 * percentile(http_s, 99),
+        "direct_p50_ms": 1e3 * statistics.median(direct_s),
+        "direct_p99_ms": 1e3 * percentile(direct_s, 99),
+        "http_p50_ms": 1e3 * statistics.median(http_s),
+        "http_p99_ms": 1e3 * percentile(http_s, 99),
     }
     figures["overhead_p50_ms"] = figures["http_p50_ms"] - figures["direct_p50_ms"]
     figures["overhead_p99_ms"] = figures["http_p99_ms"] - figures["direct_p99_ms"]
@@ -167,8 +198,10 @@ def main() -> int:
     print(f"{'path':<8}{'p50 ms':>10}{'p99 ms':>10}")
     print(f"{'direct':<8}{figures['direct_p50_ms']:>10.2f}{figures['direct_p99_ms']:>10.2f}")
     print(f"{'http':<8}{figures['http_p50_ms']:>10.2f}{figures['http_p99_ms']:>10.2f}")
-    print(f"overhead p50 {figures['overhead_p50_ms']:.2f} ms (target <= 30), p99 {figures['overhead_p99_ms']:.2f} ms; "
-          f"http/direct p50 = {figures['http_over_direct_p50']:.3f}x")
+    print(
+        f"overhead p50 {figures['overhead_p50_ms']:.2f} ms (target <= 30), p99 {figures['overhead_p99_ms']:.2f} ms; "
+        f"http/direct p50 = {figures['http_over_direct_p50']:.3f}x"
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "server_overhead.json").write_text(json.dumps(figures, indent=2))

@@ -3,6 +3,7 @@
 # dependencies installed), each running its own tests; `server` also runs the cross-package tests. Fails if any
 # environment fails or collects no test.
 # Usage: bash tests/run_matrix.sh [PACKAGE ...]   (default: every value of the matrix, in hatch.toml's order)
+#        bash tests/run_matrix.sh --lint          the lint and format gate only (ruff check + ruff format --check)
 #
 # On a fresh machine it first installs what is missing: hatch (into .ci-venv, from PyPI) and, on Debian, the
 # packages the suite needs (python3-venv for that venv; chromium and chromium-driver for the playground test),
@@ -61,6 +62,12 @@ ensure_chromium() {  # headless Chromium and its driver, for the playground page
 }
 
 ensure_hatch || { echo "FAILED: could not install hatch" >&2; exit 1; }
+
+if [ "${1:-}" = "--lint" ]; then
+  echo "=== lint ==="
+  hatch run lint:check || { echo "FAILED: lint (ruff check / ruff format --check)" >&2; exit 1; }
+  exit 0
+fi
 
 packages=("$@")
 if [ ${#packages[@]} -eq 0 ]; then
