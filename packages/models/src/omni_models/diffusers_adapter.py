@@ -396,12 +396,19 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
     the cache, never the bf16 shards; a miss quantizes and publishes it), else online. ``options.layerwise_offload``
     keeps the transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
     """
-    unsupported = [name for name, given in (
-        ("offload_allgather", options.offload_allgather), ("attention_backend", options.attention_backend is not None),
-        ("cuda_graphs", options.cuda_graphs)) if given]
+    unsupported = [
+        name
+        for name, given in (
+            ("offload_allgather", options.offload_allgather),
+            ("attention_backend", options.attention_backend is not None),
+            ("cuda_graphs", options.cuda_graphs),
+        )
+        if given
+    ]
     if unsupported:
-        raise ValueError(f"{', '.join(unsupported)}: not supported by the {family.name} family (they apply to the "
-                         "causal-prefix DiT)")
+        raise ValueError(
+            f"{', '.join(unsupported)}: not supported by the {family.name} family (they apply to the causal-prefix DiT)"
+        )
     checked = preflight_family_checkpoint(family, directory)
     models, host_components = checked.models, checked.host_components
     device, dtype = options.device, options.dtype

@@ -140,7 +140,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: Annotated[
         int,
         setting(
-            "serve: the seed of the stream requests without a seed draw from; generate: the request's seed when --image-seed is not given",
+            "serve: the seed of the stream requests without a seed draw from; generate: the request's seed when "
+            "--image-seed is not given",
             group="RuntimeConfig",
             commands=BOTH,
             ge=0,

@@ -190,7 +190,12 @@ class PagedAttentionMetadata:
             host_rows=tuple(
                 HostRow(int(start), int(n), int(seq), int(pos), int(prefix))
                 for start, n, seq, pos, prefix in zip(
-                    starts[:-1], query_lens, seq_lens, query_pos_start, causal_prefix_lens or [0] * num_rows, strict=True
+                    starts[:-1],
+                    query_lens,
+                    seq_lens,
+                    query_pos_start,
+                    causal_prefix_lens or [0] * num_rows,
+                    strict=True,
                 )
             ),
         )
