@@ -10,12 +10,11 @@ Components (the ``FluxPipeline`` constructor arguments):
 - tokenizers written from the shapes vocabulary (``omni_models.synthetic``);
 - the checkpoint's own ``FlowMatchEulerDiscreteScheduler`` config: FLUX.1-dev's dynamic shift.
 
-Geometry: the 32x32 shapes world drawn at 128x128 (every scorer pixel a 4x4 block), so the VAE's 8x latent is
-16x16 and the transformer sees 8x8 = 64 image tokens of 64 channels (FLUX's 2x2 packing): a 9x9 shape spans 4-5
-latent pixels and 2-3 tokens a side, enough for the VAE and the transformer to keep diamonds and triangles apart
-(at 64x64 a shape was 2 latent pixels, and the VAE alone turned a quarter of them into blobs). Images are scored
-after a 4x4 box downsample, which returns the 32x32 render exactly. Captions come in every clause order
-(``phrasings``), so reordered prompts are in-distribution for diffusers alone, which applies no prompt grammar.
+Geometry: the 32x32 shapes world drawn at 64x64 (every scorer pixel a 2x2 block), so the VAE's 8x latent is
+8x8 and the transformer sees 4x4 = 16 image tokens of 64 channels (FLUX's 2x2 packing). 64x64 is the smallest
+side at which FLUX's 16-pixel token grid still has more than one token per shape; images are scored after a 2x2
+box downsample, which returns the 32x32 render exactly. Captions come in every clause order (``phrasings``), so
+reordered prompts are in-distribution for diffusers alone, which applies no prompt grammar.
 """
 
 from __future__ import annotations
@@ -37,19 +36,15 @@ from omni_models.training import shapes
 from omni_models.training.captions import VOCABULARY, SceneSpec
 
 NAME = "omni-flux-shapes-tiny"
-IMAGE_SIZE = 128
+IMAGE_SIZE = 64
 UPSCALE = IMAGE_SIZE // shapes.IMAGE_SIZE
 VAE_SCALE_FACTOR = 8
 LATENT_CHANNELS = 16
 LATENT_SIZE = IMAGE_SIZE // VAE_SCALE_FACTOR
 IMAGE_TOKENS = (LATENT_SIZE // 2) ** 2
 # What diffusers' FluxPipeline and omni's FamilyPipeline feed FLUX.1-dev-style models by default: every prompt is
-# padded to 512 T5 tokens (neither passes an attention mask), so the shipped model is trained and judged at 512.
+# padded to 512 T5 tokens, so training pads the same way.
 MAX_SEQUENCE_LENGTH = 512
-# Every training caption is at most 15 T5 tokens. The teacher trains mostly at this padded length (a step costs a
-# sixth of a 512-token one: the pad positions are most of the transformer's tokens) and part of the time at 512;
-# guidance distillation then teaches the student, at 512, the teacher's velocities read at this length.
-SHORT_SEQUENCE_LENGTH = 32
 CLIP_LENGTH = 77
 # The defaults both pipelines use for a model with embedded guidance (FLUX.1-dev's): training distils guidance
 # over a range that holds 3.5, and 28 Euler steps is where adherence is measured.
@@ -194,7 +189,6 @@ def build_components(config: FluxShapesConfig, *, seed: int) -> dict[str, Any]:
             num_layers=config.text_layers,
             num_heads=config.text_heads,
             feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,  # the budget underfits; nothing to regularise
             decoder_start_token_id=0,
         )
     )
@@ -242,8 +236,7 @@ def save_pipeline(components: dict[str, Any], directory: Path) -> Path:
 
 
 def render(scenes: torch.Tensor, jitter: torch.Tensor | None = None) -> torch.Tensor:
-    """``shapes.render`` of int64 [B, 4] scenes at ``IMAGE_SIZE``: float [B, 3, 128, 128] in [-1, 1], each world
-    pixel a 4x4 block."""
+    """``shapes.render`` of int64 [B, 4] scenes at 64x64: float [B, 3, 64, 64] in [-1, 1], each pixel 2x2."""
     small = shapes.render(scenes[:, 0], scenes[:, 1], scenes[:, 2], scenes[:, 3], jitter)
     return small.repeat_interleave(UPSCALE, dim=2).repeat_interleave(UPSCALE, dim=3)
 

@@ -16,13 +16,14 @@ Phases, each stopping at its share of ``--time-budget-s`` or at its ``--*-steps`
    drawn uniformly from [1, ``--max-guidance``] and fed as its guidance input, the teacher's CFG velocity
    ``v(empty) + g * (v(caption) - v(empty))`` in one forward.
 
-Both transformer phases keep an EMA of the weights; what is saved (fp32, ``FluxPipeline.save_pretrained``) and
-evaluated is the EMA. A checkpoint is written after the teacher phase and replaced after distillation, so a run
-cut short still leaves a loadable model. The held-out scenes of ``training.shapes`` never enter training (VAE or
-transformer, in any caption form); they are what the final evaluation scores, through diffusers' own
-``FluxPipeline`` loaded from the written directory. Seeded: initial weights, data stream and evaluation noise
-follow ``--seed``; the steps reached are logged, so ``--vae-steps/--teacher-steps/--distill-steps`` repeat a run
-(up to GPU kernel nondeterminism). OUTDIR gets the pipeline, ``train_log.json`` and ``train_stdout.txt``.
+Both transformer phases keep an EMA of the weights; what is saved (fp16, ``FluxPipeline.save_pretrained``) and
+evaluated is the EMA. A checkpoint is written after the teacher phase and replaced after distillation (through a
+directory renamed into place), so a run cut short still leaves a loadable model. The held-out scenes of
+``training.shapes`` never enter training (VAE or transformer, in any caption form); they are what the final
+evaluation scores, through diffusers' own ``FluxPipeline`` loaded from the written directory. Seeded: initial
+weights, data stream and evaluation noise follow ``--seed``; the steps reached are logged, so
+``--vae-steps/--teacher-steps/--distill-steps`` repeat a run (up to GPU kernel nondeterminism). OUTDIR gets the
+pipeline, ``train_log.json`` and ``train_stdout.txt``.
 """
 
 from __future__ import annotations
@@ -402,11 +403,11 @@ def distil_guidance(
 
 
 def write_checkpoint(components: dict[str, Any], emas: Sequence[EMA], out: Path) -> None:
-    """Save the pipeline with the EMA weights in place (fp32). The live weights are not needed afterwards."""
+    """Save the pipeline with the EMA weights in place (stored in fp16). The live weights are not needed
+    afterwards; the modules stay where they are."""
     for ema in emas:
         ema.copy_to_parameters()
-    cpu = {k: (v.to("cpu").float() if isinstance(v, nn.Module) else v) for k, v in components.items()}
-    fs.save_pipeline(cpu, out)
+    fs.save_pipeline(components, out)
 
 
 @torch.no_grad()
@@ -558,7 +559,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     teacher_ema = train_teacher(components, latents, batches, teacher_phase, args, log)
     write_checkpoint(components, [teacher_ema], args.out)
-    components = {k: (v.to(device) if isinstance(v, nn.Module) else v) for k, v in components.items()}
     teacher_check = evaluate(
         args.out,
         held_out,
