@@ -317,6 +317,7 @@ def build_family_pipeline(
     max_sequence_length: int | None = None,
     offload: Any = None,
     fp8: Any = None,
+    prompt_embed_cache_size: int = 0,
 ) -> FamilyPipeline:
     """A ``FamilyPipeline`` over already-loaded diffusers/transformers components (the diffusers pipeline's
     constructor arguments). omni's attention processors are installed on the transformer."""
@@ -327,7 +328,15 @@ def build_family_pipeline(
     backend_cls = backend_class(family)
     pipeline.transformer.set_attn_processor(backend_cls.attention_processor())
     backend = backend_cls(pipeline, device=device, dtype=dtype, max_sequence_length=length)
-    return FamilyPipeline(backend, name=name, device=device, dtype=dtype, offload=offload, fp8=fp8)
+    return FamilyPipeline(
+        backend,
+        name=name,
+        device=device,
+        dtype=dtype,
+        offload=offload,
+        fp8=fp8,
+        prompt_embed_cache_size=prompt_embed_cache_size,
+    )
 
 
 @dataclass
@@ -384,6 +393,8 @@ def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> Model
             cfg_parallel=True,
             sequence_parallel=family.sequence_parallel,
             attention_heads=int(transformer.get("num_attention_heads", 1)),
+            compile=True,
+            prompt_embed_cache=True,
         ),
     )
 
@@ -395,6 +406,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
     stays high precision): from ``options.fp8_cache_dir`` when it holds a current artifact (a warm start reads only
     the cache, never the bf16 shards; a miss quantizes and publishes it), else online. ``options.layerwise_offload``
     keeps the transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
+    ``options.compile`` compiles the repeated blocks and the VAE decoder (``FamilyPipeline.compile``; the first
+    forward of each shape compiles); ``options.prompt_embed_cache_size`` keeps that many prompts' embeddings.
     """
     unsupported = [
         name
@@ -443,7 +456,7 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
                 device=device,
                 use_allgather=False,
             )
-        return build_family_pipeline(
+        pipeline = build_family_pipeline(
             family,
             {**host_components, **loaded},
             name=name,
@@ -452,7 +465,13 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
             max_sequence_length=options.max_sequence_length,
             offload=offload,
             fp8=fp8,
+            prompt_embed_cache_size=options.prompt_embed_cache_size,
         )
+        if options.compile:
+            from omni_models.compilation import CompileSettings
+
+            pipeline.compile(CompileSettings(backend=options.compile_backend))
+        return pipeline
     except BaseException:
         loaded.clear()  # drop every component loaded so far, so a failed load leaves no device memory behind
         gc.collect()

@@ -46,12 +46,14 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from omni_models.prompt_cache import PromptEmbeddingCache
 from omni_models.request import ResolvedRequest, prepare_one_call
 from omni_models.spec import ModelInfo
 
 if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
     from fp8_cache import QuantizationReport
+    from omni_models.compilation import CompileSettings
     from omni_models.parallel import ParallelState
 
 ComponentKind = Literal["model", "tokenizer", "scheduler"]
@@ -210,8 +212,11 @@ class FamilyBackend(Protocol):
 
     transformer: nn.Module
     block_lists: tuple[str, ...]
+    compiled_vae_modules: tuple[str, ...]
 
     def describe(self, name: str) -> ModelInfo: ...
+    def encoder_settings(self) -> tuple: ...
+    def compile_targets(self) -> list[nn.Module]: ...
     def schedule(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]: ...
     def initial_latents(self, seed: int, height: int, width: int) -> Tensor: ...
     def encode(self, prompt: str) -> TextEmbedding: ...
@@ -242,6 +247,8 @@ class DiffusersBackend:
     """
 
     family: DiffusersFamily
+    # Submodules of the VAE that FamilyPipeline.compile compiles (the decoder, where its convolutions and norms pay).
+    compiled_vae_modules: tuple[str, ...] = ()
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int) -> None:
         self.pipeline = pipeline
@@ -256,6 +263,16 @@ class DiffusersBackend:
         return self.family.info(
             name, dict(self.transformer.config), dict(self.pipeline.vae.config), self.max_sequence_length
         )
+
+    def encoder_settings(self) -> tuple:
+        """What besides the text decides ``encode``'s output (the prompt-embedding cache's key)."""
+        return (self.family.name, self.max_sequence_length, str(self.dtype), str(self.device))
+
+    def compile_targets(self) -> list[nn.Module]:
+        """The modules compiled for serving: every repeated transformer block, then ``compiled_vae_modules``."""
+        blocks = [block for path in self.block_lists for block in self.transformer.get_submodule(path)]
+        vae = [self.pipeline.vae.get_submodule(path) for path in self.compiled_vae_modules]
+        return blocks + vae
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         factor = self.vae_scale_factor * 2
@@ -319,6 +336,7 @@ class FamilyPipeline:
         dtype: torch.dtype,
         offload: LayerwiseOffload | None = None,
         fp8: QuantizationReport | None = None,
+        prompt_embed_cache_size: int = 0,
     ) -> None:
         self.backend = backend
         self.info = backend.describe(name)
@@ -326,6 +344,8 @@ class FamilyPipeline:
         self.dtype = dtype
         self.offload = offload
         self.fp8 = fp8
+        self.prompt_cache: PromptEmbeddingCache[TextEmbedding] = PromptEmbeddingCache(prompt_embed_cache_size)
+        self.compiled: CompileSettings | None = None
 
     @property
     def transformer(self) -> nn.Module:
@@ -365,12 +385,14 @@ class FamilyPipeline:
 
     @torch.no_grad()
     def start(self, jobs: Sequence[FamilyJob]) -> None:
-        """Run the text encoders for every not-yet-encoded conditioning among ``jobs``, each distinct text once."""
+        """Run the text encoders for every not-yet-encoded conditioning among ``jobs``, each distinct text once
+        (and not at all for a text still in the prompt-embedding cache)."""
         encoded: dict[str, TextEmbedding] = {}
+        settings = self.backend.encoder_settings()
 
         def encode(text: str) -> TextEmbedding:
             if text not in encoded:
-                encoded[text] = self.backend.encode(text)
+                encoded[text] = self.prompt_cache.get_or_encode(text, settings, self.backend.encode)
             return encoded[text]
 
         for job in jobs:
@@ -494,8 +516,22 @@ class FamilyPipeline:
 
     # --- options ------------------------------------------------------------------------------------------------
 
+    def compile(self, settings: CompileSettings) -> None:
+        """Compile for serving (``omni_models.compilation``): every repeated transformer block and the backend's
+        ``compiled_vae_modules``, in place, with symbolic shapes when ``settings.dynamic``.
+
+        Not combinable with layerwise offload, whose hooks move weights between blocks.
+        """
+        from omni_models.compilation import compile_modules
+
+        if self.offload is not None:
+            raise ValueError("compile cannot be combined with layerwise offload")
+        compile_modules(self.backend.compile_targets(), settings)
+        self.compiled = settings
+
     def compile_transformer(self, **compile_kwargs: Any) -> None:
-        """``torch.compile`` each transformer block in place (regional compilation: one graph per block class).
+        """``torch.compile`` each transformer block in place (regional compilation: one graph per block class),
+        with ``compile_kwargs`` as given (benchmarks compare exactly diffusers' recipe with it).
 
         Not combinable with layerwise offload, whose hooks move weights between blocks.
         """

@@ -98,7 +98,7 @@ class OmniQwenImageAttnProcessor:
         encoder_hidden_states_mask: Tensor | None = None,
         attention_mask: Tensor | None = None,
         image_rotary_emb: tuple[Tensor, Tensor] | None = None,
-        text_lengths: Sequence[int] | None = None,
+        text_lengths: Sequence[int] | Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         if encoder_hidden_states is None:
             raise ValueError("Qwen-Image attention needs the text stream (encoder_hidden_states)")
@@ -131,36 +131,55 @@ class OmniQwenImageAttnProcessor:
             image_freqs, text_freqs = image_rotary_emb
             image_query, image_key = rotate_complex(image_query, image_freqs), rotate_complex(image_key, image_freqs)
             text_query, text_key = rotate_complex(text_query, text_freqs), rotate_complex(text_key, text_freqs)
-        text_len, image_len = encoder_hidden_states.shape[1], hidden_states.shape[1]
-        if text_lengths is not None and not all(0 < n <= text_len for n in text_lengths):
-            raise ValueError(f"text_lengths {list(text_lengths)} must each be in [1, {text_len}]")
-        lengths = (
-            None if text_lengths is None else row_lengths([image_len + n for n in text_lengths], image_len + text_len)
+        text_out, image_out = joint_attention(
+            (text_query, text_key, text_value), (image_query, image_key, image_value), text_lengths
         )
-        if lengths is None:  # diffusers' own order, [text, image]: the same numbers as its processor
-            out = (
-                attention(
-                    torch.cat([text_query, image_query], dim=1),
-                    torch.cat([text_key, image_key], dim=1),
-                    torch.cat([text_value, image_value], dim=1),
-                )
-                .flatten(2, 3)
-                .to(text_query.dtype)
-            )
-            text_out, image_out = out[:, :text_len], out[:, text_len:]
-        else:
-            out = (
-                attention(
-                    torch.cat([image_query, text_query], dim=1),
-                    torch.cat([image_key, text_key], dim=1),
-                    torch.cat([image_value, text_value], dim=1),
-                    lengths,
-                )
-                .flatten(2, 3)
-                .to(text_query.dtype)
-            )
-            image_out, text_out = out[:, :image_len], out[:, image_len:]
         image_out = attn.to_out[0](image_out.contiguous())
         if len(attn.to_out) > 1:
             image_out = attn.to_out[1](image_out)
         return image_out, attn.to_add_out(text_out.contiguous())
+
+
+@torch.compiler.disable
+def joint_attention(
+    text: tuple[Tensor, Tensor, Tensor],
+    image: tuple[Tensor, Tensor, Tensor],
+    text_lengths: Sequence[int] | Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Qwen-Image's joint attention over ``(query, key, value)`` of the text and image streams: ``(text_out,
+    image_out)``, flattened over heads. ``text_lengths``: each row's prompt length, ints or a CPU integer tensor.
+
+    Kept out of ``torch.compile``'s graphs: the rows' prompt lengths are host integers that choose the attention's
+    row groups, and a compiled graph would specialize on them (one recompile per combination of prompt lengths);
+    passed as a CPU tensor they reach it without a guard on their values or count. The projections, norms and RoPE
+    before it and everything after it stay compiled.
+    """
+    if isinstance(text_lengths, Tensor):
+        text_lengths = text_lengths.tolist()
+    (text_query, text_key, text_value), (image_query, image_key, image_value) = text, image
+    text_len, image_len = text_query.shape[1], image_query.shape[1]
+    if text_lengths is not None and not all(0 < n <= text_len for n in text_lengths):
+        raise ValueError(f"text_lengths {list(text_lengths)} must each be in [1, {text_len}]")
+    lengths = None if text_lengths is None else row_lengths([image_len + n for n in text_lengths], image_len + text_len)
+    if lengths is None:  # diffusers' own order, [text, image]: the same numbers as its processor
+        out = (
+            attention(
+                torch.cat([text_query, image_query], dim=1),
+                torch.cat([text_key, image_key], dim=1),
+                torch.cat([text_value, image_value], dim=1),
+            )
+            .flatten(2, 3)
+            .to(text_query.dtype)
+        )
+        return out[:, :text_len], out[:, text_len:]
+    out = (
+        attention(
+            torch.cat([image_query, text_query], dim=1),
+            torch.cat([image_key, text_key], dim=1),
+            torch.cat([image_value, text_value], dim=1),
+            lengths,
+        )
+        .flatten(2, 3)
+        .to(text_query.dtype)
+    )
+    return out[:, image_len:], out[:, :image_len]

@@ -76,6 +76,12 @@ class LoadOptions:
     attention_backend: AttentionBackend | None = None  # omni-dit only: "paged" (default) or "dense"
     cuda_graphs: bool = False  # omni-dit only
     max_sequence_length: int | None = None  # diffusers families: prompt tokens the text encoder reads
+    # Compiled serving (omni_models.compilation): families compile their repeated blocks and VAE decoder, the DiT
+    # captures CUDA graphs; compile_backend "eager"/"aot_eager" trace without generating code (tests).
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_cache_dir: Path | None = None  # inductor's FX graph / AOTAutograd caches, reused by a restart
+    prompt_embed_cache_size: int = 0  # diffusers families: prompts whose text embeddings stay cached (LRU)
 
     def __post_init__(self) -> None:
         check_load_options(
@@ -92,6 +98,14 @@ class LoadOptions:
             )
         if self.attention_backend not in (None, "paged", "dense"):
             raise ValueError(f"attention_backend must be 'paged' or 'dense', got {self.attention_backend!r}")
+        check_compile_options(
+            compile=self.compile,
+            compile_backend=self.compile_backend,
+            compile_cache_dir=self.compile_cache_dir,
+            layerwise_offload=self.layerwise_offload,
+        )
+        if self.prompt_embed_cache_size < 0:
+            raise ValueError(f"prompt_embed_cache_size must be >= 0, got {self.prompt_embed_cache_size}")
 
 
 def check_load_options(
@@ -114,6 +128,26 @@ def check_load_options(
         raise ValueError(
             "offload_resident_blocks and offload_allgather apply to layerwise offload; turn on layerwise_offload"
         )
+
+
+def check_compile_options(
+    *,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    compile_cache_dir: object = None,
+    layerwise_offload: bool = False,
+) -> None:
+    """The rules of ``load``'s compile options (a server checks its flags with it at start)."""
+    from omni_models.compilation import COMPILE_BACKENDS
+
+    if compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile_backend must be one of {list(COMPILE_BACKENDS)}, got {compile_backend!r}")
+    if compile and layerwise_offload:
+        raise ValueError(
+            "compile cannot be combined with layerwise_offload (its hooks move weights between compiled blocks)"
+        )
+    if compile_cache_dir is not None and not compile:
+        raise ValueError("compile_cache_dir keeps compiled graphs, so it needs compile=True")
 
 
 def kind_of(directory: Path) -> ModelKind:
@@ -160,6 +194,10 @@ def load(
     attention_backend: AttentionBackend | None = None,
     cuda_graphs: bool = False,
     max_sequence_length: int | None = None,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    compile_cache_dir: str | Path | None = None,
+    prompt_embed_cache_size: int = 0,
     allow_download: bool = False,
 ) -> StepwisePipeline:
     """Load any model omni knows (shipped name, local directory, or a Hugging Face repo id from the local cache
@@ -170,8 +208,12 @@ def load(
     ``layerwise_offload`` keeps the repeated blocks in host memory and streams them to the device
     (``offload_resident_blocks`` leading blocks stay; ``offload_allgather`` shards them over the ranks of
     ``offload_group``, a ``ParallelState.offload_group``). ``attention_backend`` and ``cuda_graphs`` apply to the
-    causal-prefix DiT, ``max_sequence_length`` to the diffusers families. A bad checkpoint raises ``CheckpointError``
-    before anything is placed on ``device``.
+    causal-prefix DiT, ``max_sequence_length`` to the diffusers families. ``compile`` compiles the model for serving
+    (``omni_models.compilation``: the families' repeated blocks and VAE decoder with ``torch.compile``, the DiT's
+    CUDA graphs; ``ModelSpec.capabilities.compile`` says whether a kind can), keeping inductor's caches in
+    ``compile_cache_dir`` when given. ``prompt_embed_cache_size`` keeps that many prompts' text embeddings (the
+    families; LRU, ``omni_models.prompt_cache``). A bad checkpoint raises ``CheckpointError`` before anything is
+    placed on ``device``.
     """
     import torch
 
@@ -189,8 +231,25 @@ def load(
         attention_backend=attention_backend,
         cuda_graphs=cuda_graphs,
         max_sequence_length=max_sequence_length,
+        compile=compile,
+        compile_backend=compile_backend,
+        compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
+        prompt_embed_cache_size=prompt_embed_cache_size,
     )
+    if options.compile_cache_dir is not None:
+        from omni_models.compilation import use_compile_cache
+
+        use_compile_cache(options.compile_cache_dir)
     return kind_of(directory).module().load(directory, name_or_path, options)
 
 
-__all__ = ["KINDS", "LoadOptions", "ModelKind", "check_load_options", "inspect", "kind_of", "load"]
+__all__ = [
+    "KINDS",
+    "LoadOptions",
+    "ModelKind",
+    "check_compile_options",
+    "check_load_options",
+    "inspect",
+    "kind_of",
+    "load",
+]

@@ -124,6 +124,8 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     cfg_parallel: bool
     sequence_parallel: bool
     attention_heads: int | None = None
+    compile: bool = False  # load(compile=True) compiles it for serving (omni_models.compilation)
+    prompt_embed_cache: bool = False  # load(prompt_embed_cache_size=N) caches prompt embeddings
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):

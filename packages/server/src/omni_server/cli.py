@@ -36,6 +36,7 @@ GROUP_DESCRIPTIONS = {
     "ModelConfig": "which model to load and where",
     "OffloadConfig": "layerwise weight offload (dlo_offload)",
     "QuantizationConfig": "FP8 weights (fp8_cache)",
+    "CompilationConfig": "compiled serving and what is cached around the model",
     "ParallelConfig": "one request on several GPUs: one process per GPU, world size = CFG x SP",
     "RuntimeConfig": None,
     "CacheConfig": "the paged KV cache pool",

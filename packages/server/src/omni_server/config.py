@@ -120,6 +120,37 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             metavar="DIR",
         ),
     ] = None
+    # CompilationConfig: compiled serving (omni_models.compilation)
+    enforce_eager: Annotated[
+        bool,
+        setting(
+            "run the model eagerly: no torch.compile, no CUDA graphs (default on CUDA: compiled, the families' "
+            "repeated blocks and VAE decoder with torch.compile, the DiT's steps as CUDA graphs, every served size "
+            "warmed up before /health is ready; on CPU, and under layerwise offload, the model always runs eager)",
+            group="CompilationConfig",
+            commands=BOTH,
+        ),
+    ] = False
+    compile_cache_dir: Annotated[
+        str | None,
+        setting(
+            "keep inductor's FX graph and AOTAutograd caches here, so a restart reuses the compiled graphs "
+            "(not with --enforce-eager)",
+            group="CompilationConfig",
+            commands=BOTH,
+            metavar="DIR",
+        ),
+    ] = None
+    prompt_embed_cache_size: Annotated[
+        int,
+        setting(
+            "diffusers families: prompts whose text embeddings stay cached on the device (LRU; a repeated prompt "
+            "skips the text encoders); 0: none",
+            group="CompilationConfig",
+            commands=BOTH,
+            ge=0,
+        ),
+    ] = 32
     # ParallelConfig: world size = cfg_parallel_size x sequence_parallel_size, one process per GPU
     cfg_parallel_size: Annotated[
         Literal[1, 2],
@@ -372,6 +403,10 @@ def _check_server_rules(config: ServerConfig) -> None:
         raise ConfigError(f"block_size must be a positive power of two; got {config.block_size} (--block-size)")
     if config.max_model_len == 0:
         raise ConfigError("max_model_len must be positive or -1 (auto); got 0 (--max-model-len)")
+    if config.compile_cache_dir is not None and config.enforce_eager:
+        raise ConfigError(
+            "--compile-cache-dir keeps compiled graphs, but --enforce-eager compiles nothing; drop one of them"
+        )
     if config.offload_allgather and config.sequence_parallel_size < 2:
         raise ConfigError(
             "--offload-allgather shards block weights over the sequence-parallel group (CFG ranks never share "

@@ -9,9 +9,15 @@ iteration (``step``):
    first ``pipeline.start`` for jobs that have not started (prompt encoding, prefix K/V, AR rows), then
    ``pipeline.step``. With ``--batch-invariant`` each job runs in a forward of its own. A forward that raises is
    run again one request at a time, so only the culprit fails (``forward_isolating_failures``);
-3. requests whose jobs all finished are decoded together (``pipeline.decode``) and encoded (PNG, WAV);
-4. the strategy reports every request that ended (completed, aborted, failed); each gets its one
-   ``RequestFinished`` and ``pipeline.release`` frees what the pipeline held for it.
+3. requests whose jobs all finished are decoded together (``pipeline.decode``); their files (PNG, WAV) are
+   encoded on a thread pool, off the loop, while the next iterations' forwards run;
+4. the strategy reports every request that ended (completed: its files encoded; aborted; failed); each gets its
+   one ``RequestFinished`` and ``pipeline.release`` frees what the pipeline held for it.
+
+Start-up runs a warm-up request through every path; when that compiled graphs (a pipeline loaded with
+``compile=True``), every size the model lists is warmed up too, with one row and with two (``omni_models.
+compilation.warmup_shapes``), so that serving compiles nothing more. ``EngineStats`` reports the graphs compiled
+so far and those compiled since ready (``/metrics``).
 
 Invariant: each added request produces exactly one ``RequestFinished`` (outputs or an error, an abort included),
 and an error in one request never stops the loop.
@@ -19,6 +25,7 @@ and an error in one request never stops the loop.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import os
@@ -144,6 +151,43 @@ def warmup_request(info: ModelInfo, sequence_parallel_size: int = 1) -> Generati
     return GenerationRequest(prompt=word, height=height, width=width, num_inference_steps=2, seed=0)
 
 
+def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[GenerationRequest]:
+    """For a compiled model: a 2-step request per (rows, size) of ``omni_models.compilation.warmup_shapes`` at each
+    size the model lists, so every graph serving needs is compiled before the engine reports ready."""
+    from omni_models import GenerationRequest
+    from omni_models.compilation import warmup_shapes
+
+    if info.image is None:
+        return []
+    max_rows = config.max_rows_per_step or info.image.max_images_per_request
+    max_rows = 1 if config.batch_invariant else min(max_rows, info.image.max_images_per_request)
+    word = info.vocabulary[0] if info.vocabulary else "warm up"
+    # One row: one image without CFG (guidance 1 turns true CFG off); more rows: that many images, guided or not.
+    return [
+        GenerationRequest(
+            prompt=word,
+            height=height,
+            width=width,
+            n=rows,
+            num_inference_steps=2,
+            seed=0,
+            guidance_scale=1.0 if rows == 1 else None,
+        )
+        for rows, (height, width) in warmup_shapes(info.image.sizes, max_rows=max_rows)
+    ]
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (0 when nothing imported it)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from omni_models.compilation import compile_count
+
+    return compile_count()
+
+
 class EngineCore:
     """Step-level batching of any ``StepwisePipeline`` (see the module docstring). Not thread-safe."""
 
@@ -164,23 +208,44 @@ class EngineCore:
         self._step_latencies: list[float] = []
         self._live: set[str] = set()  # added and not yet reported
         self._failing: set[str] = set()  # failed, reported by the strategy's next finish()
+        # Requests decoded and being encoded: their files, one future each (``_complete``).
+        self._encoding: dict[str, list[concurrent.futures.Future[bytes]]] = {}
+        self._encoder = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-encode")
         self._pid = os.getpid()
+        self._graphs_at_ready = compiled_graphs()
         if config.warmup:
             self._warm_up()
+        self._graphs_at_ready = compiled_graphs()
 
     def _warm_up(self) -> None:
-        """One real request through every engine path (admit, start, step, decode, free)."""
+        """One real request through every engine path (admit, start, step, decode, free); if that compiled
+        anything, one per served shape as well (``compiled_warmup_requests``)."""
+        before = compiled_graphs()
+        self._run_warmup([warmup_request(self.info, self._config.sequence_parallel_size)])
+        if compiled_graphs() > before:
+            started = time.monotonic()
+            requests = compiled_warmup_requests(self.info, self._config)
+            self._run_warmup(requests)
+            logger.info(
+                "compiled warm-up: %d requests in %.1f s, %d graphs compiled in all",
+                len(requests),
+                time.monotonic() - started,
+                compiled_graphs(),
+            )
+        self._step_latencies.clear()
+
+    def _run_warmup(self, requests: Sequence[GenerationRequest]) -> None:
         from omni_models import resolve_request
 
-        request = warmup_request(self.info, self._config.sequence_parallel_size)
-        self.add("warmup", resolve_request(self.info, request))
-        outputs: list[EngineOutput] = []
-        while not any(isinstance(o, RequestFinished) for o in outputs):
-            outputs += self.step()
-        finished = next(o for o in outputs if isinstance(o, RequestFinished))
-        if finished.error is not None:
-            raise RuntimeError(f"warm-up request failed: {finished.error.message}")
-        self._step_latencies.clear()
+        for index, request in enumerate(requests):
+            request_id = f"warmup-{index}"
+            self.add(request_id, resolve_request(self.info, request))
+            outputs: list[EngineOutput] = []
+            while not any(isinstance(o, RequestFinished) and o.request_id == request_id for o in outputs):
+                outputs += self.step()
+            finished = next(o for o in outputs if isinstance(o, RequestFinished) and o.request_id == request_id)
+            if finished.error is not None:
+                raise RuntimeError(f"warm-up request failed: {finished.error.message}")
 
     def ready_message(self) -> EngineReady:
         occupancy = self._strategy.occupancy()
@@ -217,12 +282,27 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         outputs, self._outputs = self._outputs, []
         self._running = self._strategy.schedule()
-        completed: list[str] = []
-        if self._running:
+        stepping = [r for r in self._running if not r.finished]
+        if stepping:
             started = time.monotonic()
-            forward_isolating_failures(self._running, self._forward, self._fail_forward)
+            forward_isolating_failures(stepping, self._forward, self._fail_forward)
             self._step_latencies.append(time.monotonic() - started)
-            completed = self._complete([r for r in self._running if r.finished and r.request_id not in self._failing])
+        self._complete(
+            [
+                r
+                for r in self._running
+                if r.finished and r.request_id not in self._failing and r.request_id not in self._encoding
+            ]
+        )
+        if self._encoding and all(r.finished for r in self._running):
+            # No running request has a step left: nothing to overlap the encodes with but admitting a waiting
+            # request, so wait for all of them (or, with requests waiting, for the first, rather than spin).
+            pending = [f for futures in self._encoding.values() for f in futures]
+            if self._strategy.occupancy().waiting:
+                concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            else:
+                concurrent.futures.wait(pending)
+        completed = self._encoded()
         for ended in self._strategy.finish(completed):
             outputs.append(self._report(ended))
         outputs.append(self.stats())
@@ -244,29 +324,52 @@ class EngineCore:
         self._failing.add(request.request_id)
         self._strategy.fail(request.request_id, request_error(exc))
 
-    def _complete(self, finished: Sequence[EngineRequest]) -> list[str]:
-        """Decode and encode every finished request together; on failure, one at a time (only the culprit fails).
-        Returns the ids that completed."""
+    def _complete(self, finished: Sequence[EngineRequest]) -> None:
+        """Decode every finished request together (on failure, one at a time: only the culprit fails) and queue
+        its outputs' encoding on the encoder threads."""
         if not finished:
-            return []
+            return
         try:
             decoded = self.pipeline.decode([job for request in finished for job in request.jobs])
         except Exception as exc:
             if len(finished) == 1:
                 logger.exception("decoding request %s failed", finished[0].request_id)
                 self._fail(finished[0], exc)
-                return []
-            return [rid for request in finished for rid in self._complete([request])]
+                return
+            for request in finished:
+                self._complete([request])
+            return
         offset = 0
         for request in finished:
-            request.outputs = [encode_output(out) for out in decoded[offset : offset + len(request.jobs)]]
+            outputs = decoded[offset : offset + len(request.jobs)]
+            self._encoding[request.request_id] = [self._encoder.submit(encode_output, out) for out in outputs]
             offset += len(request.jobs)
-        return [request.request_id for request in finished]
+
+    def _encoded(self) -> list[str]:
+        """The requests whose every file is encoded (their ``outputs`` set); a failed encode fails its request."""
+        completed = []
+        requests = {r.request_id: r for r in self._running}
+        for request_id, futures in list(self._encoding.items()):
+            if not all(future.done() for future in futures):
+                continue
+            del self._encoding[request_id]
+            request = requests.get(request_id)
+            if request is None:  # ended meanwhile (aborted)
+                continue
+            errors = [future.exception() for future in futures if future.exception() is not None]
+            if errors:
+                logger.error("encoding request %s failed", request_id, exc_info=errors[0])
+                self._fail(request, errors[0])
+                continue
+            request.outputs = [future.result() for future in futures]
+            completed.append(request_id)
+        return completed
 
     def _report(self, ended: Ended) -> RequestFinished:
         request = ended.request
         self._live.discard(request.request_id)
         self._failing.discard(request.request_id)
+        self._encoding.pop(request.request_id, None)
         try:
             self.pipeline.release(request.jobs)
         except Exception:  # a release that fails must not take the request's answer or the loop with it
@@ -284,6 +387,8 @@ class EngineCore:
             kv_blocks_used=occupancy.kv_blocks_used,
             kv_blocks_total=occupancy.kv_blocks_total,
             step_latencies_s=latencies,
+            compiled_graphs=(graphs := compiled_graphs()),
+            recompiles_since_ready=graphs - self._graphs_at_ready,
             progress=[
                 StepProgress(r.request_id, r.jobs[0].step_index, r.jobs[0].num_steps)
                 for r in self._running
@@ -292,6 +397,8 @@ class EngineCore:
         )
 
     def close(self) -> None:
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+        self._encoding.clear()
         self._strategy.close()
         self._live.clear()
         self.pipeline.close()
@@ -302,12 +409,20 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
     import torch
 
     import omni_models
-    from omni_server.startup import load_options
+    from omni_server.startup import load_options, serving_options
 
     device = torch.device(config.resolved_device())
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    pipeline = omni_models.load(config.model, device=device, dtype=dtype, **{**load_options(config), **overrides})
-    logger.info("loaded %s (%s, %s) on %s", config.model, pipeline.info.family, pipeline.info.variant, device)
+    options = {**load_options(config), **serving_options(config, omni_models.inspect(config.model)), **overrides}
+    pipeline = omni_models.load(config.model, device=device, dtype=dtype, **options)
+    logger.info(
+        "loaded %s (%s, %s) on %s, %s",
+        config.model,
+        pipeline.info.family,
+        pipeline.info.variant,
+        device,
+        "compiled" if options["compile"] else "eager",
+    )
     return pipeline
 
 

@@ -65,6 +65,18 @@ class ServerMetrics:
             ["model_name"],
             registry=r,
         ).labels(**labels)
+        self.compiled_graphs = Gauge(
+            "omni:compiled_graphs",
+            "Graphs torch.compile compiled in the engine process (warm-up included).",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self.recompiles = Gauge(
+            "omni:recompiles_since_ready",
+            "Graphs torch.compile compiled after the engine reported ready (0 in steady serving).",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
         self.engine_restarts = Counter(
             "omni:engine_restarts",
             "Engine processes restarted after the engine died.",
@@ -85,6 +97,8 @@ class ServerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.compiled_graphs.set(stats.compiled_graphs)
+        self.recompiles.set(stats.recompiles_since_ready)
         for latency in stats.step_latencies_s:
             self.step_time.observe(latency)
 

@@ -96,6 +96,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     kv_blocks_used: int
     kv_blocks_total: int
     step_latencies_s: list[float] = []
+    compiled_graphs: int = 0  # graphs torch.compile compiled in the engine process so far
+    recompiles_since_ready: int = 0  # of those, compiled after the engine reported ready (0 in steady serving)
     progress: list[StepProgress] = []
 
 

@@ -28,6 +28,29 @@ def load_options(config: ServerConfig) -> dict[str, object]:
     )
 
 
+def compiles(config: ServerConfig, spec: ModelSpec) -> bool:
+    """Whether the server compiles the model: on CUDA unless ``--enforce-eager``, for a kind that can
+    (``capabilities.compile``), and never under layerwise offload (its hooks move weights between compiled
+    blocks, so it runs eager)."""
+    return (
+        not config.enforce_eager
+        and config.resolved_device().startswith("cuda")
+        and spec.capabilities.compile
+        and not config.enable_layerwise_offload
+    )
+
+
+def serving_options(config: ServerConfig, spec: ModelSpec) -> dict[str, object]:
+    """``omni_models.load`` keyword arguments that depend on what the model is: compile (``compiles``) with its
+    cache directory, and the prompt-embedding cache (the kinds whose capabilities have one)."""
+    compiled = compiles(config, spec)
+    return dict(
+        compile=compiled,
+        compile_cache_dir=config.compile_cache_dir if compiled else None,
+        prompt_embed_cache_size=config.prompt_embed_cache_size if spec.capabilities.prompt_embed_cache else 0,
+    )
+
+
 # The flag behind each option name a library's message may use (load's options, dlo_offload's plan).
 _FLAGS = {
     "quantization": "--quantization",

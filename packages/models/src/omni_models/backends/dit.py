@@ -55,6 +55,7 @@ def inspect(directory: Path, name: str) -> ModelSpec:
             cfg_parallel=True,
             sequence_parallel=True,
             attention_heads=config.num_heads,
+            compile=True,
         ),
     )
 
@@ -65,8 +66,17 @@ def load(directory: Path, name: str, options: LoadOptions) -> Pipeline:
             "max_sequence_length applies to the diffusers families; a causal-prefix DiT reads its "
             "config's max_prompt_tokens"
         )
+    if options.prompt_embed_cache_size:
+        raise ValueError(
+            "prompt_embed_cache_size applies to the diffusers families; a causal-prefix DiT keeps each prompt's "
+            "K/V in its paged cache instead"
+        )
     inspect(directory, name)  # a bad directory fails here, before anything is built
     device, dtype = options.device, options.dtype
+    if options.compile and device.type != "cuda":
+        raise ValueError(
+            f"compile: a causal-prefix DiT compiles to CUDA graphs, which need a CUDA device (got {device})"
+        )
     weights_device = torch.device("cpu") if options.layerwise_offload else device
     config, vocabulary = load_config(directory)
     with torch.device("meta"):
@@ -112,6 +122,7 @@ def load(directory: Path, name: str, options: LoadOptions) -> Pipeline:
         dtype=dtype,
         name=name,
         attention_backend=options.attention_backend or "paged",
-        cuda_graphs=options.cuda_graphs,
+        # Compiled serving of the DiT is its CUDA graphs (its fused Triton ops are on in every mode).
+        cuda_graphs=options.cuda_graphs or options.compile,
         offload=handle,
     )

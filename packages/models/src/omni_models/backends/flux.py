@@ -118,6 +118,7 @@ FAMILY = DiffusersFamily(
 class FluxBackend(DiffusersBackend):
     family = FAMILY
     attention_processor = OmniFluxAttnProcessor
+    compiled_vae_modules = ("decoder",)
 
     def uses_flow_sigmas(self, scheduler_config: Mapping[str, Any]) -> bool:
         return bool(scheduler_config.get("use_flow_sigmas", False))

@@ -45,6 +45,8 @@ def load(directory: Path, name: str, options: LoadOptions) -> MusicPipeline:
             ("layerwise_offload", options.layerwise_offload),
             ("attention_backend", options.attention_backend is not None),
             ("cuda_graphs", options.cuda_graphs),
+            ("compile", options.compile),
+            ("prompt_embed_cache_size", options.prompt_embed_cache_size > 0),
             ("max_sequence_length", options.max_sequence_length is not None),
         )
         if given

@@ -137,7 +137,8 @@ class QwenImageBackend(DiffusersBackend):
             encoder_hidden_states=text,
             timestep=self.timesteps(rows),
             img_shapes=[[(1, latent_h // 2, latent_w // 2)]] * len(rows),
-            attention_kwargs={"text_lengths": lengths},
+            # A CPU tensor, so a compiled block guards on neither the lengths nor their count (joint_attention).
+            attention_kwargs={"text_lengths": torch.tensor(lengths)},
             return_dict=False,
         )[0]
 

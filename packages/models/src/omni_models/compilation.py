@@ -1,0 +1,107 @@
+"""Compiled serving: regional ``torch.compile`` of a pipeline's repeated blocks, a persistent compile cache, and a
+count of every graph dynamo compiles.
+
+``omni_models.load(..., compile=True)`` compiles the loaded pipeline:
+
+- a diffusers family (``FamilyPipeline.compile``) compiles each block of its transformer's ``block_lists`` in
+  place (one graph per block class, reused by every block of that class: diffusers' ``compile_repeated_blocks``
+  recipe) and the modules its backend names in ``compiled_vae_modules`` (FLUX's VAE decoder);
+- the causal-prefix DiT turns on its CUDA graphs (``omni_models.graphs``; its fused Triton ops are on already).
+
+Shapes. Step batching changes a forward's row count and every request may ask for another size, so the graphs are
+compiled with ``dynamic=True``: one graph covers every row count and sequence length (torch specializes a
+dimension of size 1, so one row and several rows are two graphs), and steady serving never recompiles once those
+have run. ``warmup_shapes`` lists the (rows, size) pairs an engine should run before it reports ready.
+``compile_count`` counts every graph compiled in this process (dynamo's frame counter), so a server can show and
+a test can assert that serving after warm-up compiled nothing.
+
+Cache. ``use_compile_cache(directory)`` points inductor's FX graph and AOTAutograd caches (and Triton's kernel
+cache) at ``directory`` before anything compiles, so a restart reuses what the last start compiled instead of
+running inductor again (dynamo still traces: that part is seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How ``compile_pipeline`` compiles: the dynamo backend (``"inductor"`` serves; ``"eager"`` and
+    ``"aot_eager"`` trace without generating code, for tests) and whether shapes are symbolic from the start."""
+
+    backend: str = "inductor"
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile backend must be one of {list(COMPILE_BACKENDS)}, got {self.backend!r}")
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"backend": self.backend, "dynamic": self.dynamic}
+
+
+def use_compile_cache(directory: str | Path) -> Path:
+    """Keep inductor's FX graph cache, AOTAutograd's cache and Triton's kernels under ``directory`` (created).
+
+    Call before the first compile of the process: inductor and Triton read these locations when they first write.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    path = Path(directory).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    logger.info("compile cache: %s", path)
+    return path
+
+
+def compile_count() -> int:
+    """Graphs dynamo has compiled in this process so far (first compiles and recompiles alike)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def compile_modules(modules: Sequence[Any], settings: CompileSettings) -> int:
+    """``module.compile(...)`` each module in place (``nn.Module.compile``: the module object stays the same, so
+    hooks, state dicts and attention processors keep working); returns how many.
+
+    Duck shaping is turned off: otherwise two dimensions that happen to be equal at the first compile (a prompt of
+    as many tokens as a static width, say) share one symbol, and the dynamic one is specialized to that value.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    for module in modules:
+        module.compile(**settings.kwargs())
+    return len(modules)
+
+
+def warmup_shapes(sizes: Sequence[tuple[int, int]], *, max_rows: int) -> list[tuple[int, tuple[int, int]]]:
+    """The (rows, (height, width)) forwards that compile every graph serving can need at ``sizes``: one row and,
+    when batches can hold more, two rows (the symbolic batch dimension) at each size."""
+    rows = (1, 2) if max_rows >= 2 else (1,)
+    return [(n, size) for size in dict.fromkeys(tuple(s) for s in sizes) for n in rows]
+
+
+__all__ = [
+    "COMPILE_BACKENDS",
+    "CompileSettings",
+    "compile_count",
+    "compile_modules",
+    "use_compile_cache",
+    "warmup_shapes",
+]
