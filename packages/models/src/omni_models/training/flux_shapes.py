@@ -4,16 +4,18 @@ transformers' own classes only, so diffusers' ``FluxPipeline`` loads and renders
 Components (the ``FluxPipeline`` constructor arguments):
 - ``FluxTransformer2DModel``: double-stream and single-stream blocks, 3-axis RoPE, embedded guidance
   (``guidance_embeds=True``, FLUX.1-dev style: guidance is an input, not a second forward);
-- ``AutoencoderKL`` with FLUX's 16 latent channels and 8x downsampling (four blocks, no quant convs), its
+- ``AutoencoderKL`` with FLUX's 16 latent channels and 4x downsampling (three blocks, no quant convs), its
   ``shift_factor``/``scaling_factor`` measured on the training latents;
 - small ``CLIPTextModel`` (pooled prompt vector) and ``T5EncoderModel`` (per-token embeddings);
 - tokenizers written from the shapes vocabulary (``omni_models.synthetic``);
 - the checkpoint's own ``FlowMatchEulerDiscreteScheduler`` config: FLUX.1-dev's dynamic shift.
 
-Geometry: the 32x32 shapes world drawn at 64x64 (every scorer pixel a 2x2 block), so the VAE's 8x latent is
-8x8 and the transformer sees 4x4 = 16 image tokens of 64 channels (FLUX's 2x2 packing). 64x64 is the smallest
-side at which FLUX's 16-pixel token grid still has more than one token per shape; images are scored after a 2x2
-box downsample, which returns the 32x32 render exactly. Captions come in every clause order (``phrasings``), so
+Geometry: the 32x32 shapes world drawn at 64x64 (every scorer pixel a 2x2 block); the VAE's 4x latent is 16x16
+and the transformer sees 8x8 = 64 image tokens of 64 channels (FLUX's 2x2 packing). diffusers' ``FluxPipeline``
+and omni derive the VAE factor from ``block_out_channels`` (2 ** (blocks - 1)), so a three-block VAE is all it
+takes. A 9x9 shape spans 4-5 latent pixels a side; with the first model's 8x VAE (8x8 latents, 16 tokens) it
+spanned 2, and the VAE's round trip alone read only 74% of shapes back. Images are scored after a 2x2 box
+downsample, which returns the 32x32 render exactly. Captions come in every clause order (``phrasings``), so
 reordered prompts are in-distribution for diffusers alone, which applies no prompt grammar.
 """
 
@@ -38,19 +40,23 @@ from omni_models.training.captions import VOCABULARY, SceneSpec
 NAME = "omni-flux-shapes-tiny"
 IMAGE_SIZE = 64
 UPSCALE = IMAGE_SIZE // shapes.IMAGE_SIZE
-VAE_SCALE_FACTOR = 8
+VAE_SCALE_FACTOR = 4
 LATENT_CHANNELS = 16
 LATENT_SIZE = IMAGE_SIZE // VAE_SCALE_FACTOR
 IMAGE_TOKENS = (LATENT_SIZE // 2) ** 2
 # What diffusers' FluxPipeline and omni's FamilyPipeline feed FLUX.1-dev-style models by default: every prompt is
-# padded to 512 T5 tokens, so training pads the same way.
+# padded to 512 T5 tokens (neither passes an attention mask), so the shipped model is trained and judged at 512.
 MAX_SEQUENCE_LENGTH = 512
+# Every training caption is at most 15 T5 tokens with its EOS. Most training steps pad T5 ids to this length
+# instead (a step then costs a fraction of a 512-token one: the pads are most of the transformer's tokens), the
+# rest to 512, so the model learns the images from many more samples and still reads 512-token inputs.
+SHORT_SEQUENCE_LENGTH = 16
 CLIP_LENGTH = 77
 # The defaults both pipelines use for a model with embedded guidance (FLUX.1-dev's): training distils guidance
 # over a range that holds 3.5, and 28 Euler steps is where adherence is measured.
 DEFAULT_STEPS = 28
 DEFAULT_GUIDANCE = 3.5
-# FLUX.1-dev's scheduler config; mu for 16 image tokens comes from the same line diffusers computes.
+# FLUX.1-dev's scheduler config; mu for the 64 image tokens comes from the same line diffusers computes.
 SCHEDULER_CONFIG: dict[str, Any] = dict(
     num_train_timesteps=1000,
     shift=3.0,
@@ -68,13 +74,13 @@ class FluxShapesConfig:
 
     num_layers: int = 2
     num_single_layers: int = 4
-    num_attention_heads: int = 6
+    num_attention_heads: int = 8
     attention_head_dim: int = 32
     axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
     text_width: int = 64
     text_layers: int = 2
     text_heads: int = 4
-    vae_channels: tuple[int, ...] = (32, 64, 64, 64)
+    vae_channels: tuple[int, ...] = (32, 64, 64)
     vae_norm_groups: int = 32  # GroupNorm groups; must divide every entry of vae_channels
 
     def __post_init__(self) -> None:
@@ -83,7 +89,9 @@ class FluxShapesConfig:
                 f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim {self.attention_head_dim}"
             )
         if len(self.vae_channels) != int(math.log2(VAE_SCALE_FACTOR)) + 1:
-            raise ValueError(f"vae_channels needs {int(math.log2(VAE_SCALE_FACTOR)) + 1} blocks for the 8x latent")
+            raise ValueError(
+                f"vae_channels needs {int(math.log2(VAE_SCALE_FACTOR)) + 1} blocks for the {VAE_SCALE_FACTOR}x latent"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +109,7 @@ CONFIGS: dict[str, FluxShapesConfig] = {
         text_width=16,
         text_layers=1,
         text_heads=2,
-        vae_channels=(8, 8, 8, 8),
+        vae_channels=(8, 8, 8),
         vae_norm_groups=8,
     ),
 }

@@ -1,29 +1,38 @@
 """Train omni-flux-shapes-tiny (``training.flux_shapes``): the VAE, then the transformer as FLUX.1-dev is made.
 
-    python -m omni_models.training.train_flux --out OUTDIR --time-budget-s 420 --seed 0
+    python -m omni_models.training.train_flux --out OUTDIR --time-budget-s 330 --seed 0
 
-Phases, each stopping at its share of ``--time-budget-s`` or at its ``--*-steps`` cap, whichever comes first:
-1. VAE: reconstruction (MSE + L1, learning rate decaying linearly to a tenth) plus a small KL term on random
-   training scenes at 64x64; then every training scene at every jitter is encoded once (posterior mode) and the
-   VAE's ``shift_factor``/``scaling_factor`` are set to the latents' mean and inverse standard deviation, as
+Phases, within ``--time-budget-s`` of training time (the evaluations between them are not counted):
+1. VAE (at most ``--vae-share`` of the budget, or ``--vae-steps``): reconstruction (MSE + L1, learning rate
+   decaying linearly to a tenth) plus a small KL term on random training scenes at 64x64. Every
+   ``--vae-check-every`` steps the round trip decode(encode(render)) of 256 training scenes is read by the
+   scorer; the phase ends early once every attribute reads back at ``--vae-target`` or better (held-out scenes
+   play no part in that decision). Then every training scene at every jitter is encoded once (posterior mode) and
+   the VAE's ``shift_factor``/``scaling_factor`` are set to the latents' mean and inverse standard deviation, as
    FLUX's VAE config carries them.
-2. Teacher: rectified flow on the normalised latents (``x_t = (1 - s) x0 + s eps``, target ``eps - x0``), s drawn
-   logit-normal and then shifted with the scheduler's dynamic shift for 16 image tokens (diffusers'
-   ``calculate_shift``), so training sees the sigmas sampling visits. The text encoders train with the
-   transformer; ``--prompt-dropout`` of the captions are replaced by the empty prompt, so the model is also an
-   unconditional one and classifier-free guidance works. The guidance input is held at 1.
-3. Guidance distillation: the text encoders freeze; the student (initialised from the teacher) learns, for g
-   drawn uniformly from [1, ``--max-guidance``] and fed as its guidance input, the teacher's CFG velocity
-   ``v(empty) + g * (v(caption) - v(empty))`` in one forward.
+2. Teacher (``--teacher-share`` of the time the VAE left): rectified flow on the normalised latents
+   (``x_t = (1 - s) x0 + s eps``, target ``eps - x0``), s drawn logit-normal and then shifted with the scheduler's
+   dynamic shift for 64 image tokens (diffusers' ``calculate_shift``), so training sees the sigmas sampling
+   visits. The text encoders train with the transformer; ``--prompt-dropout`` of the captions are replaced by the
+   empty prompt, so the model is also an unconditional one and classifier-free guidance works. The guidance input
+   is held at 1.
+3. Guidance distillation (the rest): the text encoders freeze; the student (initialised from the teacher) learns,
+   for g drawn uniformly from [1, ``--max-guidance``] and fed as its guidance input, the teacher's CFG velocity
+   ``v(empty) + g * (v(caption) - v(empty))`` in one forward. The teacher reads the captions at 16 T5 positions.
 
-Both transformer phases keep an EMA of the weights; what is saved (fp16, ``FluxPipeline.save_pretrained``) and
-evaluated is the EMA. A checkpoint is written after the teacher phase and replaced after distillation (through a
-directory renamed into place), so a run cut short still leaves a loadable model. The held-out scenes of
-``training.shapes`` never enter training (VAE or transformer, in any caption form); they are what the final
-evaluation scores, through diffusers' own ``FluxPipeline`` loaded from the written directory. Seeded: initial
-weights, data stream and evaluation noise follow ``--seed``; the steps reached are logged, so
-``--vae-steps/--teacher-steps/--distill-steps`` repeat a run (up to GPU kernel nondeterminism). OUTDIR gets the
-pipeline, ``train_log.json`` and ``train_stdout.txt``.
+Prompt length: both pipelines pad T5 ids to 512 and the pads are most of a 512-token step's work, so each
+transformer step pads to ``flux_shapes.SHORT_SEQUENCE_LENGTH`` (16) and ``--batch-size`` samples, except
+``--long-share`` of the steps (drawn from a seeded host generator: no device sync), which pad to 512 with a
+quarter of the batch: the model learns the images from many cheap samples and reads the pipelines' 512-token
+input too. The transformer phases warm up, hold their learning rate and decay it linearly to a tenth over the
+last ``--cooldown`` of their time; each keeps an EMA of the weights, and what is saved (fp16,
+``FluxPipeline.save_pretrained``) and evaluated is the EMA. A checkpoint is written after the teacher phase and
+replaced after distillation (through a directory renamed into place), so a run cut short still leaves a
+loadable model. The held-out scenes of ``training.shapes`` never enter training (VAE or transformer, in any
+caption form); they are what the evaluations score, through diffusers' own ``FluxPipeline`` loaded from the
+written directory at its default 512 T5 positions. Seeded: initial weights, data stream and evaluation noise
+follow ``--seed``; the steps reached are logged, so ``--vae-steps/--teacher-steps/--distill-steps`` repeat a run
+(up to GPU kernel nondeterminism). OUTDIR gets the pipeline, ``train_log.json`` and ``train_stdout.txt``.
 """
 
 from __future__ import annotations
@@ -33,9 +42,10 @@ import copy
 import json
 import math
 import platform
+import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -46,7 +56,7 @@ from torch import nn
 
 from omni_models.training import flux_shapes as fs
 from omni_models.training.captions import SceneSpec
-from omni_models.training.scorer import adherence, read_scenes
+from omni_models.training.scorer import ATTRIBUTES, adherence, read_scenes
 from omni_models.training.shapes import MAX_JITTER, scenes_to_tensor, split_scenes
 
 EVAL_SEED = 10_000  # held-out scene i is drawn from noise seed EVAL_SEED + i, as omni-shapes-tiny's evaluation
@@ -78,10 +88,19 @@ class Phase:
     steps: int = 0
     elapsed_s: float = 0.0
     losses: list[tuple[int, float]] = field(default_factory=list)
+    checks: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    long_steps: int = 0
 
-    def run(self, step: Callable[[int, float], torch.Tensor], log: RunLog, every: int) -> None:
+    def run(
+        self,
+        step: Callable[[int, float], torch.Tensor],
+        log: RunLog,
+        every: int,
+        done: Callable[[int], bool] | None = None,
+    ) -> None:
         """Calls ``step(i, progress)`` (returning the loss; progress in [0, 1): the larger of the time and step
-        fractions spent) until the budget is spent; records mean losses every ``every`` steps."""
+        fractions spent) until the budget is spent or ``done(steps)`` says so (asked after every step); records
+        mean losses every ``every`` steps."""
         start = time.perf_counter()
         running, count = None, 0
         while (self.max_steps is None or self.steps < self.max_steps) and time.perf_counter() - start < self.seconds:
@@ -97,6 +116,8 @@ class Phase:
                     f"{self.name} step {self.steps:6d}  loss {self.losses[-1][1]:.5f}  "
                     f"{time.perf_counter() - start:6.1f}s"
                 )
+            if done is not None and done(self.steps):
+                break
         if count:
             self.losses.append((self.steps, running.item() / count))
         if torch.cuda.is_available():
@@ -104,7 +125,12 @@ class Phase:
         self.elapsed_s = time.perf_counter() - start
 
     def record(self) -> dict[str, Any]:
-        return {"steps": self.steps, "seconds": round(self.elapsed_s, 2), "losses": self.losses}
+        record = {"steps": self.steps, "seconds": round(self.elapsed_s, 2), "losses": self.losses}
+        if self.checks:
+            record["roundtrip_checks"] = self.checks
+        if self.long_steps:
+            record["steps_at_512_t5_positions"] = self.long_steps
+        return record
 
 
 class EMA:
@@ -129,9 +155,9 @@ class EMA:
 class CaptionTable:
     """Token ids of every training phrasing of every training scene, as diffusers' ``encode_prompt`` pads them.
 
-    ``clip`` int64 [S, V, 77], ``t5`` int64 [S, V, 512] on the device, V = ``len(flux_shapes.phrasings(scene))``;
+    ``clip`` int64 [S, V, 77], ``t5`` int64 [S, V, 16] on the device, V = ``len(flux_shapes.phrasings(scene))``;
     ``weights`` [V] the phrasing shares; ``empty_*`` [1, L]: the empty prompt (dropout and the unconditional
-    branch of CFG).
+    branch of CFG). ``pad_t5`` lengthens T5 ids to 512 exactly as the tokenizer pads them (checked).
     """
 
     def __init__(self, scenes: Sequence[SceneSpec], clip: Any, t5: Any, device: torch.device) -> None:
@@ -139,10 +165,17 @@ class CaptionTable:
         texts = [text for row in table for text, _ in row]
         variants = len(table[0])
         self.clip = self._ids(clip, texts, fs.CLIP_LENGTH).view(len(scenes), variants, -1).to(device)
-        self.t5 = self._ids(t5, texts, fs.MAX_SEQUENCE_LENGTH).view(len(scenes), variants, -1).to(device)
+        self.t5 = self._ids(t5, texts, fs.SHORT_SEQUENCE_LENGTH).view(len(scenes), variants, -1).to(device)
         self.weights = torch.tensor([w for _, w in table[0]], device=device)
         self.empty_clip = self._ids(clip, [""], fs.CLIP_LENGTH).to(device)
-        self.empty_t5 = self._ids(t5, [""], fs.MAX_SEQUENCE_LENGTH).to(device)
+        self.empty_t5 = self._ids(t5, [""], fs.SHORT_SEQUENCE_LENGTH).to(device)
+        self.t5_pad_id = t5.pad_token_id
+        reference = self._ids(t5, texts[-1:], fs.MAX_SEQUENCE_LENGTH).to(device)
+        assert torch.equal(self.pad_t5(self.t5[-1:, -1]), reference), "T5 padding differs from the tokenizer's"
+
+    def pad_t5(self, ids: torch.Tensor, length: int = fs.MAX_SEQUENCE_LENGTH) -> torch.Tensor:
+        """T5 ids [B, 16] right-padded with the pad id to [B, length]."""
+        return F.pad(ids, (0, length - ids.shape[1]), value=self.t5_pad_id)
 
     @staticmethod
     def _ids(tokenizer: Any, texts: list[str], length: int) -> torch.Tensor:
@@ -164,7 +197,7 @@ class CaptionTable:
 def encode_text(
     text_encoder: nn.Module, text_encoder_2: nn.Module, clip_ids: torch.Tensor, t5_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T5 token embeddings [B, 512, D], CLIP pooled [B, D]), exactly the calls FluxPipeline.encode_prompt makes."""
+    """(T5 token embeddings [B, L, D], CLIP pooled [B, D]), exactly the calls FluxPipeline.encode_prompt makes."""
     return text_encoder_2(t5_ids, output_hidden_states=False)[0], text_encoder(clip_ids).pooler_output
 
 
@@ -172,6 +205,7 @@ class Batches:
     """Seeded training batches on the device: training scenes, jitters, phrasings, noise and shifted sigmas."""
 
     def __init__(self, scenes: Sequence[SceneSpec], captions: CaptionTable, device: torch.device, seed: int) -> None:
+        self.scene_list = list(scenes)
         self.scenes = scenes_to_tensor(scenes, device)
         self.captions = captions
         self.jitters = JITTERS.to(device)
@@ -187,7 +221,8 @@ class Batches:
         return fs.render(self.scenes[index], self.jitters[jitter])
 
     def flow(self, latents: torch.Tensor, size: int, dropout: float) -> dict[str, torch.Tensor]:
-        """A flow-matching batch over a latent table [S, 9, C, H, W]: x_t, target, sigma and caption ids."""
+        """A flow-matching batch over a latent table [S, 9, C, H, W]: x_t, target, sigma and caption ids (T5 ids
+        at 16 positions; ``CaptionTable.pad_t5`` lengthens them)."""
         g, device = self.generator, self.device
         index = torch.randint(latents.shape[0], (size,), generator=g, device=device)
         jitter = torch.randint(latents.shape[1], (size,), generator=g, device=device)
@@ -233,6 +268,27 @@ def transformer_velocity(
     )[0]
 
 
+def cooldown_factor(progress: float, cooldown: float) -> float:
+    """1 until the last ``cooldown`` of a phase, then linearly down to 0.1 at its end."""
+    if cooldown <= 0 or progress < 1 - cooldown:
+        return 1.0
+    return 1.0 - 0.9 * (progress - (1 - cooldown)) / cooldown
+
+
+class PromptLengths:
+    """Which transformer steps pad T5 ids to 512 (``share`` of them, seeded host draws) and their batch size."""
+
+    def __init__(self, share: float, batch_size: int, seed: int) -> None:
+        self.share, self.batch_size, self._draws = share, batch_size, random.Random(seed)
+        self.long_steps = 0
+
+    def next(self) -> tuple[bool, int]:
+        """(long, batch size) of the next step: long steps take a quarter of the batch."""
+        long = self._draws.random() < self.share
+        self.long_steps += long
+        return long, max(1, self.batch_size // 4) if long else self.batch_size
+
+
 def _adamw(parameters: Sequence[nn.Parameter], lr: float, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.999), weight_decay=0.0, fused=device.type == "cuda")
 
@@ -270,7 +326,18 @@ def train_vae(vae: nn.Module, batches: Batches, phase: Phase, args: argparse.Nam
         _optimizer_step(optimizer, loss, parameters, args.vae_lr * (1 - 0.9 * progress), i, args.warmup_steps)
         return loss
 
-    phase.run(step, log, args.log_every)
+    def done(steps: int) -> bool:
+        if steps % args.vae_check_every:
+            return False
+        check = vae_roundtrip_adherence(vae, probe_scenes, batches.device)
+        checks.append((steps, check))
+        log(f"vae step {steps:6d}  round trip of {len(probe_scenes)} training scenes: " + _scores(check))
+        return min(check[name] for name in ATTRIBUTES) >= args.vae_target
+
+    checks: list[tuple[int, dict[str, float]]] = []
+    probe_scenes = batches.scene_list[:: max(1, len(batches.scene_list) // 256)][:256]
+    phase.run(step, log, args.log_every, done)
+    phase.checks = checks
     vae.eval()
 
 
@@ -331,27 +398,33 @@ def train_teacher(
     args: argparse.Namespace,
     log: RunLog,
 ) -> EMA:
-    """Phase 2: transformer and both text encoders, guidance input 1, prompt dropout. Returns the EMA."""
+    """Phase 2: transformer and both text encoders, guidance input 1, prompt dropout, T5 ids at 16 or (in
+    ``--long-share`` of the steps) 512 positions. Returns the EMA."""
     transformer, clip_model, t5_model = (components[k] for k in ("transformer", "text_encoder", "text_encoder_2"))
     parameters = [p for m in (transformer, clip_model, t5_model) for p in m.parameters()]
     optimizer = _adamw(parameters, args.lr, batches.device)
     ema = EMA(parameters, args.ema_decay)
     img_ids = fs.latent_image_ids(batches.device)
     ones = torch.ones(args.batch_size, device=batches.device)
+    lengths = PromptLengths(args.long_share, args.batch_size, args.seed + 2)
     for module in (transformer, clip_model, t5_model):
         module.train()
 
     def step(i: int, progress: float) -> torch.Tensor:
-        b = batches.flow(latents, args.batch_size, args.prompt_dropout)
+        long, size = lengths.next()
+        b = batches.flow(latents, size, args.prompt_dropout)
+        t5_ids = batches.captions.pad_t5(b["t5_ids"]) if long else b["t5_ids"]
         with _autocast(batches.device, args):
-            embeds, pooled = encode_text(clip_model, t5_model, b["clip_ids"], b["t5_ids"])
-            prediction = transformer_velocity(transformer, b["x_t"], b["sigma"], ones, embeds, pooled, img_ids)
+            embeds, pooled = encode_text(clip_model, t5_model, b["clip_ids"], t5_ids)
+            prediction = transformer_velocity(transformer, b["x_t"], b["sigma"], ones[:size], embeds, pooled, img_ids)
         loss = F.mse_loss(prediction.float(), b["target"])
-        _optimizer_step(optimizer, loss, parameters, args.lr, i, args.warmup_steps)
+        lr = args.lr * cooldown_factor(progress, args.cooldown)
+        _optimizer_step(optimizer, loss, parameters, lr, i, args.warmup_steps)
         ema.update(i)
         return loss
 
     phase.run(step, log, args.log_every)
+    phase.long_steps = lengths.long_steps
     return ema
 
 
@@ -363,7 +436,10 @@ def distil_guidance(
     args: argparse.Namespace,
     log: RunLog,
 ) -> EMA:
-    """Phase 3: the student transformer learns the teacher's CFG velocity for guidance g as its guidance input."""
+    """Phase 3: the student transformer learns the teacher's CFG velocity for guidance g as its guidance input.
+
+    The teacher reads the caption and the empty prompt at 16 T5 positions; the student reads the caption at 16
+    or, in ``--long-share`` of the steps (a quarter of the batch), at 512."""
     student = components["transformer"]
     teacher = copy.deepcopy(student).eval().requires_grad_(False)
     clip_model, t5_model = components["text_encoder"].eval(), components["text_encoder_2"].eval()
@@ -373,13 +449,14 @@ def distil_guidance(
     optimizer = _adamw(parameters, args.distill_lr, batches.device)
     ema = EMA(parameters, args.ema_decay)
     img_ids = fs.latent_image_ids(batches.device)
-    n = args.batch_size
-    ones = torch.ones(2 * n, device=batches.device)
-    empty_clip = batches.captions.empty_clip.expand(n, -1)
-    empty_t5 = batches.captions.empty_t5.expand(n, -1)
+    ones = torch.ones(2 * args.distill_batch_size, device=batches.device)
+    lengths = PromptLengths(args.long_share, args.distill_batch_size, args.seed + 3)
     student.train()
 
     def step(i: int, progress: float) -> torch.Tensor:
+        long, n = lengths.next()
+        empty_clip = batches.captions.empty_clip.expand(n, -1)
+        empty_t5 = batches.captions.empty_t5.expand(n, -1)
         b = batches.flow(latents, n, dropout=0.0)
         g = 1 + (args.max_guidance - 1) * torch.rand(n, generator=batches.generator, device=batches.device)
         with torch.no_grad(), _autocast(batches.device, args):
@@ -387,18 +464,24 @@ def distil_guidance(
                 clip_model, t5_model, torch.cat([b["clip_ids"], empty_clip]), torch.cat([b["t5_ids"], empty_t5])
             )
             both = transformer_velocity(
-                teacher, b["x_t"].repeat(2, 1, 1), b["sigma"].repeat(2), ones, embeds, pooled, img_ids
+                teacher, b["x_t"].repeat(2, 1, 1), b["sigma"].repeat(2), ones[: 2 * n], embeds, pooled, img_ids
             ).float()
             cond, uncond = both[:n], both[n:]
             target = uncond + g.view(-1, 1, 1) * (cond - uncond)
+            if long:
+                student_embeds = t5_model(batches.captions.pad_t5(b["t5_ids"]), output_hidden_states=False)[0]
+            else:
+                student_embeds = embeds[:n]
         with _autocast(batches.device, args):
-            prediction = transformer_velocity(student, b["x_t"], b["sigma"], g, embeds[:n], pooled[:n], img_ids)
+            prediction = transformer_velocity(student, b["x_t"], b["sigma"], g, student_embeds, pooled[:n], img_ids)
         loss = F.mse_loss(prediction.float(), target)
-        _optimizer_step(optimizer, loss, parameters, args.distill_lr, i, args.warmup_steps)
+        lr = args.distill_lr * cooldown_factor(progress, args.cooldown)
+        _optimizer_step(optimizer, loss, parameters, lr, i, args.warmup_steps)
         ema.update(i)
         return loss
 
     phase.run(step, log, args.log_every)
+    phase.long_steps = lengths.long_steps
     return ema
 
 
@@ -461,11 +544,8 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
-def _phases(args: argparse.Namespace) -> Iterator[Phase]:
-    shares = (args.vae_share, args.teacher_share, 1.0 - args.vae_share - args.teacher_share)
-    caps = (args.vae_steps, args.teacher_steps, args.distill_steps)
-    for name, share, cap in zip(("vae", "teacher", "distill"), shares, caps, strict=True):
-        yield Phase(name, args.time_budget_s * share, cap)
+def _scores(scores: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -473,19 +553,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--config", choices=sorted(fs.CONFIGS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget-s", type=float, default=420.0, help="training seconds, all phases")
-    parser.add_argument("--vae-share", type=float, default=0.17, help="of the budget, for the VAE")
-    parser.add_argument("--teacher-share", type=float, default=0.5, help="of the budget; distillation gets the rest")
+    parser.add_argument("--time-budget-s", type=float, default=330.0, help="training seconds, all phases")
+    parser.add_argument("--vae-share", type=float, default=0.2, help="of the budget, at most, for the VAE")
+    parser.add_argument(
+        "--teacher-share", type=float, default=0.6, help="of what the VAE left; distillation gets the rest"
+    )
     parser.add_argument("--vae-steps", type=int, default=None)
     parser.add_argument("--teacher-steps", type=int, default=None)
     parser.add_argument("--distill-steps", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1024, help="teacher samples a step (16 T5 positions)")
+    parser.add_argument("--distill-batch-size", type=int, default=512)
     parser.add_argument("--vae-batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=4e-4)
     parser.add_argument("--distill-lr", type=float, default=2e-4)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
     parser.add_argument("--kl-weight", type=float, default=1e-3)
+    parser.add_argument("--vae-check-every", type=int, default=200, help="VAE steps between round-trip checks")
+    parser.add_argument(
+        "--vae-target", type=float, default=0.995, help="the VAE stops once every attribute reads back this well"
+    )
     parser.add_argument("--warmup-steps", type=int, default=200)
+    parser.add_argument("--cooldown", type=float, default=0.3, help="last share of a transformer phase: lr to 0.1x")
+    parser.add_argument(
+        "--long-share", type=float, default=0.2, help="transformer steps with T5 ids padded to 512 (else 16)"
+    )
     parser.add_argument("--ema-decay", type=float, default=0.999)
     parser.add_argument("--prompt-dropout", type=float, default=0.1)
     parser.add_argument("--max-guidance", type=float, default=5.0)
@@ -514,6 +605,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.config, args.batch_size, args.vae_batch_size, args.warmup_steps, args.log_every = "smoke", 4, 4, 5, 1
+        args.distill_batch_size, args.vae_check_every = 4, 2
         args.eval_scenes, args.eval_steps, args.eval_guidance = 2, [2], [fs.DEFAULT_GUIDANCE]
         args.vae_steps = args.vae_steps or 3
         args.teacher_steps = args.teacher_steps or 3
@@ -546,36 +638,70 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         components[name].to(device)
     captions = CaptionTable(train_scenes, components["tokenizer"], components["tokenizer_2"], device)
     batches = Batches(train_scenes, captions, device, seed=args.seed + 1)
-    vae_phase, teacher_phase, distill_phase = _phases(args)
     log(
         f"{fs.NAME}: {len(train_scenes)} training scenes x {captions.weights.numel()} phrasings, "
         f"mu {batches.mu:.4f}, device {device}"
     )
+    record: dict[str, Any] = {
+        "model": fs.NAME,
+        "config": config.to_dict(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "dynamic_shift_mu": fs.dynamic_shift_mu(),
+        "train_scenes": len(train_scenes),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": _device_name(device),
+            "argv": sys.argv,
+        },
+    }
+    phases: list[Phase] = []
 
+    def save_record(**entries: Any) -> None:
+        """Adds ``entries`` and rewrites ``train_log.json`` (after every stage: a run cut short keeps its log)."""
+        record.update(entries, phases={p.name: p.record() for p in phases})
+        (args.out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
+
+    training_start = time.perf_counter()
+    vae_phase = Phase("vae", args.time_budget_s * args.vae_share, args.vae_steps)
+    phases.append(vae_phase)
     train_vae(components["vae"], batches, vae_phase, args, log)
     latents, latent_stats = latent_table(components["vae"], train_scenes, device)
     vae_check = vae_roundtrip_adherence(components["vae"], held_out, device)
-    log(f"vae: {vae_phase.steps} steps, {latent_stats}, held-out round trip {vae_check['attributes']:.4f}")
+    log(f"vae: {vae_phase.steps} steps in {vae_phase.elapsed_s:.1f}s, {latent_stats}")
+    log(f"vae: held-out round trip (the ceiling): {_scores(vae_check)}")
+    save_record(latents=latent_stats, vae_roundtrip_held_out=vae_check)
 
+    # The transformer phases share the time the VAE left (the VAE may stop early at its target).
+    left = max(0.0, args.time_budget_s - (time.perf_counter() - training_start))
+    teacher_phase = Phase("teacher", left * args.teacher_share, args.teacher_steps)
+    distill_phase = Phase("distill", left * (1 - args.teacher_share), args.distill_steps)
+    phases += [teacher_phase, distill_phase]
     teacher_ema = train_teacher(components, latents, batches, teacher_phase, args, log)
     write_checkpoint(components, [teacher_ema], args.out)
-    teacher_check = evaluate(
-        args.out,
-        held_out,
-        steps=[args.eval_steps[0]],
-        guidances=[1.0],
-        device=device,
-        batch_size=200,
-        true_cfg_scale=fs.DEFAULT_GUIDANCE,
-    )
-    log(
-        f"teacher: {teacher_phase.steps} steps; checkpoint written; held-out with CFG {fs.DEFAULT_GUIDANCE}: "
-        + "  ".join(f"{k} {v:.4f}" for k, v in next(iter(teacher_check.values())).items())
-    )
+    log(f"teacher: {teacher_phase.steps} steps in {teacher_phase.elapsed_s:.1f}s; checkpoint written")
+    eval_start = time.perf_counter()
+    teacher_check = {}
+    for cfg in (fs.DEFAULT_GUIDANCE, 1.0):
+        scores = evaluate(
+            args.out,
+            held_out,
+            steps=[args.eval_steps[0]],
+            guidances=[1.0],
+            device=device,
+            batch_size=200,
+            true_cfg_scale=cfg,
+        )
+        key = f"true_cfg_{cfg:g}"
+        teacher_check[key] = next(iter(scores.values()))
+        log(f"teacher held-out, {args.eval_steps[0]} steps, true CFG {cfg:g}: {_scores(teacher_check[key])}")
+    teacher_eval_s = time.perf_counter() - eval_start
+    save_record(teacher_held_out=teacher_check)
 
+    distill_phase.seconds = max(0.0, args.time_budget_s - (time.perf_counter() - training_start - teacher_eval_s))
     student_ema = distil_guidance(components, latents, batches, distill_phase, args, log)
     write_checkpoint(components, [student_ema], args.out)
-    log(f"distilled: {distill_phase.steps} steps; checkpoint written to {args.out}")
+    log(f"distilled: {distill_phase.steps} steps in {distill_phase.elapsed_s:.1f}s; checkpoint written to {args.out}")
     train_seconds = time.perf_counter() - wall_start
     del components, latents, captions, batches
     if device.type == "cuda":
@@ -586,36 +712,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out, held_out, steps=args.eval_steps, guidances=args.eval_guidance, device=device, batch_size=200
     )
     for key, scores in results.items():
-        log(f"held-out {key}: " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-    record = {
-        "model": fs.NAME,
-        "config": config.to_dict(),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "phases": {p.name: p.record() for p in (vae_phase, teacher_phase, distill_phase)},
-        "latents": latent_stats,
-        "dynamic_shift_mu": fs.dynamic_shift_mu(),
-        "train_scenes": len(train_scenes),
-        "vae_roundtrip_held_out": vae_check,
-        "teacher_held_out_true_cfg": teacher_check,
-        "held_out_adherence": {
+        log(f"held-out {key}: {_scores(scores)}")
+    # The same evaluation on training scenes says how much of any shortfall is generalisation.
+    seen = train_scenes[:: max(1, len(train_scenes) // len(held_out))][: len(held_out)]
+    seen_results = evaluate(
+        args.out, seen, steps=args.eval_steps[:1], guidances=args.eval_guidance[:1], device=device, batch_size=200
+    )
+    for key, scores in seen_results.items():
+        log(f"training scenes {key}: {_scores(scores)}")
+    save_record(
+        held_out_adherence={
             "scenes": len(held_out),
             "noise_seed_base": EVAL_SEED,
             "pipeline": "diffusers.FluxPipeline fp32",
             "results": results,
         },
-        "seconds": {
-            "setup_and_training": round(train_seconds, 1),
+        training_scene_adherence={"scenes": len(seen), "results": seen_results},
+        seconds={
+            "setup_and_training": round(train_seconds - teacher_eval_s, 1),
+            "teacher_evaluation": round(teacher_eval_s, 1),
             "evaluation": round(time.perf_counter() - eval_start, 1),
             "wall": round(time.perf_counter() - wall_start, 1),
         },
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": _device_name(device),
-            "argv": sys.argv,
-        },
-    }
-    (args.out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
+    )
     log(f"wrote {args.out} in {record['seconds']['wall']:.0f}s")
     return record
 
