@@ -8,7 +8,7 @@ weights on a device from a hit (bit-identical to online quantization) or quantiz
 :func:`load_fp8_cache_manifest` / :func:`check_artifact` / :func:`verify_artifact` validate without raising.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 from fp8_cache.artifact import (
     CACHE_COMPLETE_NAME,
@@ -46,6 +46,7 @@ from fp8_cache.linear import (
     quantize_activation,
     quantize_activation_rows,
     quantize_model,
+    quantized_input,
     scaled_mm_available,
 )
 from fp8_cache.load import LoadResult, load_cached_tensors, load_fp8_weights
@@ -98,6 +99,7 @@ __all__ = [
     "publish_artifact",
     "quantize_activation",
     "quantize_activation_rows",
+    "quantized_input",
     "quantize_model",
     "quantize_per_tensor",
     "quantize_state_dict",

@@ -2,10 +2,12 @@
 
 On a CUDA device with FP8 tensor cores (compute capability 8.9+, e.g. L4/H100/H200) the forward pass
 quantizes the activation dynamically and runs ``torch._scaled_mm``: one scale per call by default, or one per
-row (``quantize_model(..., activation_scaling="row")``, stored on each layer; one pass over the activation). An op
-that produces the
-activation can quantize it itself and pass an :class:`FP8Activation`, so no separate quantization pass runs.
-Everywhere else the layer dequantizes and runs an ordinary matmul, so results agree within FP8 error.
+row (``quantize_model(..., activation_scaling="row")``, stored on each layer; one fused Triton kernel reads the
+activation once and writes its FP8 copy and scales). An op that produces the activation can quantize it itself
+and pass an :class:`FP8Activation`, so no separate quantization pass runs. Linears that read the same input
+tensor (a block's Q, K and V projections) quantize it once: the last quantized input is remembered by identity
+and version counter (``quantized_input``), eager only. Everywhere else the layer dequantizes and runs an ordinary
+matmul, so results agree within FP8 error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -99,6 +103,16 @@ class FP8Activation:
         if not self.dtype.is_floating_point or self.dtype == FP8_DTYPE:
             raise ValueError(f"FP8Activation.dtype must be a high-precision floating dtype, got {self.dtype}")
 
+    @classmethod
+    def _unchecked(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FP8Activation:
+        """This library's own quantizers' results, which meet the contract by construction: skip the checks (a
+        few microseconds of host time per linear, which the eager path cannot spare)."""
+        activation = object.__new__(cls)
+        object.__setattr__(activation, "data", data)
+        object.__setattr__(activation, "scale", scale)
+        object.__setattr__(activation, "dtype", dtype)
+        return activation
+
     @property
     def per_row(self) -> bool:
         return self.scale.dim() == 2
@@ -131,7 +145,7 @@ def quantize_activation_rows(x: torch.Tensor) -> FP8Activation:
     else:
         scale = per_row_scales(x2d)
         data = quantize_with_scale(x2d, scale)
-    return FP8Activation(data.reshape(x.shape), scale, x.dtype)
+    return FP8Activation._unchecked(data.reshape(x.shape), scale, x.dtype)
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,6 +170,39 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kernel(x)
     scale = per_tensor_scale(x)
     return quantize_with_scale(x, scale), scale
+
+
+_LAST_INPUT = threading.local()
+
+
+def quantized_input(x: torch.Tensor, activation_scaling: ActivationScaling) -> FP8Activation:
+    """``x`` quantized for an FP8 GEMM (per row or per tensor), reusing the previous call's result when it was
+    for this same tensor object, unmodified since (its version counter), with the same scaling.
+
+    One entry per thread, held through a weak reference to ``x``: nothing keeps ``x`` alive, and the entry holds
+    only the last FP8 copy. Under ``torch.compile`` nothing is remembered (inductor removes the repeated
+    quantization itself); inference-mode tensors, which have no version counter, are never reused.
+    """
+    compiling = torch.compiler.is_compiling()
+    version = None
+    if not compiling:
+        try:
+            version = x._version
+        except RuntimeError:  # an inference tensor
+            version = None
+        last = getattr(_LAST_INPUT, "entry", None)
+        if last is not None and version is not None:
+            ref, last_version, scaling, activation = last
+            if ref() is x and last_version == version and scaling == activation_scaling:
+                return activation
+    if activation_scaling == "row":
+        activation = quantize_activation_rows(x)
+    else:
+        x_fp8, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]))
+        activation = FP8Activation._unchecked(x_fp8.reshape(x.shape), x_scale, x.dtype)
+    if version is not None:
+        _LAST_INPUT.entry = (weakref.ref(x), version, activation_scaling, activation)
+    return activation
 
 
 def _gemm_shape_reason(in_features: int, out_features: int) -> str | None:
@@ -274,10 +321,8 @@ class FP8Linear(nn.Module):
         if scaled_mm_available(x.device) and x.dtype in _SCALED_MM_OUT_DTYPES:
             if x.numel() == 0:
                 return x.new_empty(*x.shape[:-1], self.out_features)
-            if self.activation_scaling == "row" and x.dtype == torch.bfloat16:
-                return self._forward_fp8(quantize_activation_rows(x))
-            x_fp8, x_scale = quantize_activation(x.reshape(-1, self.in_features))
-            return self._forward_fp8(FP8Activation(x_fp8.reshape(x.shape), x_scale, x.dtype))
+            scaling = "row" if self.activation_scaling == "row" and x.dtype == torch.bfloat16 else "tensor"
+            return self._forward_fp8(quantized_input(x, scaling))
         weight = dequantize(self.weight, self.weight_scale, x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, weight, bias)

@@ -53,7 +53,7 @@ from omni_models.diffusers_layout import (
     weight_files,
 )
 from omni_models.families import DiffusersBackend, DiffusersFamily, FamilyPipeline
-from omni_models.integrations import family_offload_plan, quantize_family_fp8
+from omni_models.integrations import FAMILY_ACTIVATION_SCALING, family_offload_plan, quantize_family_fp8
 from omni_models.spec import Capabilities, ModelSpec
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ def _load_fp8_transformer(
     )
     logger.info("FP8 cache %s: %s", cache_dir, "hit" if result.hit else f"miss ({result.reason})")
     model = _new_diffusers_model(preflighted, dtype)
-    report = load_fp8_state_dict(model, result.tensors)
+    report = load_fp8_state_dict(model, result.tensors, activation_scaling=FAMILY_ACTIVATION_SCALING)
     return model.to(device).eval().requires_grad_(False), report
 
 

@@ -28,6 +28,9 @@ RESIDENT_MODULES: tuple[str, ...] = (
     "final_layer",
 )
 
+# The families' FP8 linears scale activations per row: eager, one fused Triton kernel per input (per tensor takes
+# a reduction pass, a cast pass and a fill), and compiled, rowwise was the faster of the two (benchmarks/RESULTS.md).
+FAMILY_ACTIVATION_SCALING = "row"
 # Linears that stay in high precision under FP8: everything outside the blocks (input/output projections and
 # the timestep MLP, where precision matters most and the FLOPs are negligible) and the per-block adaLN
 # modulation (one row per image, so FP8 would save nothing and perturb every token's scale and shift).
@@ -71,7 +74,9 @@ def family_offload_plan(declaration: FamilyDeclaration, resident_blocks: int = 0
 
 
 def quantize_family_fp8(declaration: FamilyDeclaration, transformer: torch.nn.Module) -> QuantizationReport:
-    """Swap a family transformer's linears for FP8 linears in place, except the family's ``fp8_ignore``."""
+    """Swap a family transformer's linears for FP8 linears in place, except the family's ``fp8_ignore``.
+
+    Activations get one scale per row (``FAMILY_ACTIVATION_SCALING``)."""
     from fp8_cache import quantize_model
 
-    return quantize_model(transformer, ignore=declaration.fp8_ignore)
+    return quantize_model(transformer, ignore=declaration.fp8_ignore, activation_scaling=FAMILY_ACTIVATION_SCALING)

@@ -1,0 +1,463 @@
+"""What omni-server serves, timed through HTTP, beside diffusers' own pipeline on the same weights in the same run.
+
+    python benchmarks/serving.py --out DIR                    # FLUX.1-dev size on the GPU (random bf16 weights)
+    python benchmarks/serving.py --smoke --out DIR            # tiny random FLUX.1-dev on the CPU (checks the flow)
+    python benchmarks/serving.py --smoke --device cuda --out DIR   # tiny, on a GPU: compiled serving end to end
+
+1. A FLUX.1-dev-size checkpoint (``omni_models.synthetic``: the published transformer and VAE configs, CLIP-L
+   whole, T5-XXL's width with ``--text-encoder-layers`` layers) is written once to ``--work-dir`` (reused when
+   there), then freed from the GPU.
+2. ``diffusers``: ``FluxPipeline.from_pretrained`` of that directory, eager, ``--repeats`` images per size after
+   one warm-up image; then with its best compile (``transformer.compile_repeated_blocks(fullgraph=True)``) at the
+   first size: first image (compile) and repeats.
+3. One ``omni-server serve`` process per configuration in ``--configs`` (``default``: no flags, compiled on CUDA;
+   ``fp8``: ``--quantization fp8 --fp8-cache-dir``; ``eager``: ``--enforce-eager``; ``fp8-eager``): cold start
+   (process start to ``/health`` 200, with an empty ``--compile-cache-dir`` and FP8 cache), then per size one
+   first request, ``--repeats`` requests one at a time (median, spread, p50/p99), and ``--concurrent`` requests
+   with 4 in flight (throughput against the one-at-a-time figure, p50/p99); ``/metrics`` (graphs compiled,
+   recompiles since ready); then a restart over the same caches (warm start). Images are compared with
+   diffusers' (PSNR, same seed).
+
+Every figure lands in ``DIR/serving.json`` (written after each phase; a phase that would not finish before
+``--deadline`` seconds is skipped and says so). Target lines compare each figure with its baseline of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import gc
+import http.client
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import numpy as np  # noqa: E402
+
+PROMPT = "a red fox in the snow at night"
+CONFIG_FLAGS = {
+    "default": [],
+    "fp8": ["--quantization", "fp8"],
+    "eager": ["--enforce-eager"],
+    "fp8-eager": ["--quantization", "fp8", "--enforce-eager"],
+}
+# (what, figure key, baseline key, target, higher is better)
+TARGETS = {
+    "default_s_1024": 3.5,
+    "fp8_s_1024": 2.5,
+    "default_vs_diffusers_eager": 1.45,
+    "fp8_eager_vs_eager": 1.1,
+    "psnr_db": 40.0,
+    "cold_start_s": 120.0,
+    "warm_start_s": 30.0,
+    "concurrency": {256: 2.5, 512: 1.3, 1024: 0.97},
+}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+    return {
+        "median": statistics.median(values),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "p50": pct(50),
+        "p99": pct(99),
+        "n": len(values),
+        "values": values,
+    }
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.started = time.monotonic()
+        self.results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": {}}
+        self.reference: dict[int, np.ndarray] = {}
+
+    def left(self) -> float:
+        return self.args.deadline - (time.monotonic() - self.started)
+
+    def save(self) -> None:
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        self.results["elapsed_s"] = time.monotonic() - self.started
+        (self.args.out / "serving.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def request(self, size: int) -> dict[str, Any]:
+        return {
+            "prompt": PROMPT,
+            "size": f"{size}x{size}",
+            "num_inference_steps": self.args.steps,
+            "guidance_scale": 3.5,
+            "seed": 0,
+        }
+
+    # --- the checkpoint ---------------------------------------------------------------------------------------
+
+    def checkpoint(self) -> Path:
+        import torch
+
+        from omni_models import synthetic
+
+        directory = self.args.work_dir / ("flux-tiny" if self.args.smoke else "flux-dev-size")
+        if (directory / "model_index.json").is_file():
+            log(f"checkpoint: reusing {directory}")
+            return directory
+        start = time.monotonic()
+        device = torch.device(self.args.device)
+        components = synthetic.flux_components(
+            "tiny" if self.args.smoke else "full",
+            guidance_embeds=True,
+            device=device,
+            dtype=torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16,
+            text_encoder_layers=self.args.text_encoder_layers,
+            words=PROMPT.split(),
+        )
+        built = time.monotonic() - start
+        synthetic.save_checkpoint("flux", components, directory, max_shard_size="5GB")
+        del components
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        self.results["checkpoint"] = {"build_s": built, "write_s": time.monotonic() - start - built, "bytes": size}
+        log(f"checkpoint: {size / 2**30:.1f} GiB written in {time.monotonic() - start:.0f} s")
+        return directory
+
+    # --- diffusers, in this process ----------------------------------------------------------------------------
+
+    def diffusers(self, directory: Path) -> None:
+        import torch
+        from diffusers import FluxPipeline
+
+        device = torch.device(self.args.device)
+        dtype = torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16
+        pipe = FluxPipeline.from_pretrained(str(directory), torch_dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+
+        def image(size: int, steps: int) -> np.ndarray:
+            out = pipe(
+                PROMPT,
+                height=size,
+                width=size,
+                num_inference_steps=steps,
+                guidance_scale=3.5,
+                generator=torch.Generator("cpu").manual_seed(0),
+            ).images[0]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return np.asarray(out)
+
+        def timed(size: int, repeats: int) -> dict[str, Any]:
+            times = []
+            for _ in range(repeats):
+                start = time.monotonic()
+                self.reference[size] = image(size, self.args.steps)
+                times.append(time.monotonic() - start)
+            return summary(times)
+
+        phase: dict[str, Any] = {"eager": {}}
+        self.results["phases"]["diffusers"] = phase
+        for size in self.args.sizes:
+            image(size, 2)  # warm-up
+            phase["eager"][size] = timed(size, self.args.repeats)
+            log(f"diffusers eager {size}^2: {phase['eager'][size]['median']:.3f} s")
+            self.save()
+        if self.args.diffusers_compile and self.left() > 150:
+            size = self.args.sizes[0]
+            pipe.transformer.compile_repeated_blocks(
+                fullgraph=True, backend="inductor" if device.type == "cuda" else "eager"
+            )
+            start = time.monotonic()
+            image(size, self.args.steps)
+            phase["compiled"] = {"first_image_s": time.monotonic() - start, size: timed(size, self.args.repeats)}
+            log(f"diffusers compiled {size}^2: {phase['compiled'][size]['median']:.3f} s")
+        pipe.transformer = pipe.vae = pipe.text_encoder = pipe.text_encoder_2 = None  # free the GPU memory
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.save()
+
+    # --- omni-server, a real process ---------------------------------------------------------------------------
+
+    def start_server(self, directory: Path, name: str, caches: Path) -> tuple[subprocess.Popen, int, float]:
+        flags = CONFIG_FLAGS[name]
+        port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "omni_server",
+            "serve",
+            str(directory),
+            "--device",
+            self.args.device,
+            "--port",
+            str(port),
+            "--log-level",
+            "info",
+            *flags,
+        ]
+        if "--enforce-eager" not in flags and self.args.device.startswith("cuda"):
+            command += ["--compile-cache-dir", str(caches / "compile")]
+        if "fp8" in flags:
+            command += ["--fp8-cache-dir", str(caches / "fp8")]
+        log_file = open(self.args.out / f"server-{name}.log", "ab")  # noqa: SIM115
+        start = time.monotonic()
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
+        deadline = start + self.args.start_timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode} during start ({' '.join(flags)})")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return process, port, time.monotonic() - start
+            except OSError:
+                pass
+            time.sleep(0.25)
+        self.stop_server(process)
+        raise RuntimeError(f"server not ready within {self.args.start_timeout} s")
+
+    @staticmethod
+    def stop_server(process: subprocess.Popen) -> None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+    @staticmethod
+    def post(port: int, body: dict[str, Any]) -> tuple[float, np.ndarray]:
+        from PIL import Image
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        start = time.monotonic()
+        conn.request("POST", "/v1/images/generations", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        elapsed = time.monotonic() - start
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {data[:300]!r}")
+        png = base64.b64decode(json.loads(data)["data"][0]["b64_json"])
+        return elapsed, np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+    @staticmethod
+    def metrics(port: int) -> dict[str, float]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        wanted = ("omni:compiled_graphs", "omni:recompiles_since_ready")
+        values = {}
+        for line in text.splitlines():
+            for name in wanted:
+                if line.startswith(name + "{"):
+                    values[name] = float(line.rsplit(" ", 1)[1])
+        return values
+
+    def serve(self, directory: Path, name: str) -> None:
+        flags = CONFIG_FLAGS[name]
+        caches = Path(tempfile.mkdtemp(prefix=f"serving-{name}-", dir=self.args.work_dir))
+        phase: dict[str, Any] = {"flags": flags, "sizes": {}}
+        self.results["phases"][f"omni_{name}"] = phase
+        try:
+            process, port, cold = self.start_server(directory, name, caches)
+            phase["cold_start_s"] = cold
+            log(f"omni {name}: cold start {cold:.1f} s")
+            try:
+                phase["metrics_at_ready"] = self.metrics(port)
+                for size in self.args.sizes:
+                    entry: dict[str, Any] = {}
+                    entry["first_request_s"], _ = self.post(port, self.request(size))
+                    times, pixels = [], None
+                    for _ in range(self.args.repeats):
+                        elapsed, pixels = self.post(port, self.request(size))
+                        times.append(elapsed)
+                    entry["serial"] = summary(times)
+                    if size in self.reference and pixels is not None:
+                        entry["psnr_vs_diffusers_db"] = psnr(pixels, self.reference[size])
+                    if self.args.concurrent:
+                        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                            start = time.monotonic()
+                            latencies = [
+                                f.result()[0]
+                                for f in [
+                                    pool.submit(self.post, port, self.request(size))
+                                    for _ in range(self.args.concurrent)
+                                ]
+                            ]
+                            wall = time.monotonic() - start
+                        entry["concurrency_4"] = summary(latencies)
+                        entry["concurrency_4"]["wall_s"] = wall
+                        entry["throughput_ratio"] = (self.args.concurrent / wall) / (1 / entry["serial"]["median"])
+                    phase["sizes"][size] = entry
+                    log(
+                        f"omni {name} {size}^2: {entry['serial']['median']:.3f} s "
+                        f"(first {entry['first_request_s']:.2f} s), x4 throughput "
+                        f"{entry.get('throughput_ratio', float('nan')):.2f}, "
+                        f"PSNR {entry.get('psnr_vs_diffusers_db', float('nan')):.1f} dB"
+                    )
+                    self.save()
+                phase["metrics_after"] = self.metrics(port)
+            finally:
+                self.stop_server(process)
+            if self.left() > 90:
+                process, port, warm = self.start_server(directory, name, caches)
+                phase["warm_start_s"] = warm
+                log(f"omni {name}: warm start {warm:.1f} s")
+                try:
+                    phase["warm_first_request_s"], _ = self.post(port, self.request(self.args.sizes[0]))
+                    phase["warm_metrics"] = self.metrics(port)
+                finally:
+                    self.stop_server(process)
+        except Exception as exc:
+            phase["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"omni {name}: FAILED {phase['error']}")
+        finally:
+            shutil.rmtree(caches, ignore_errors=True)
+            self.save()
+
+    # --- the run -----------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import torch
+
+        self.results["device"] = torch.cuda.get_device_name() if self.args.device.startswith("cuda") else "cpu"
+        self.results["torch"] = torch.__version__
+        directory = self.checkpoint()
+        self.save()
+        order = ["diffusers"] + list(self.args.configs)
+        # The smallest time each phase needs to be worth starting (full size; the smoke run needs far less).
+        needs = {"diffusers": 60, "default": 150, "fp8": 150, "eager": 60, "fp8-eager": 60}
+        for phase in order:
+            if self.left() < (5 if self.args.smoke else needs[phase]):
+                self.results["phases"][phase] = {"skipped": f"{self.left():.0f} s left of --deadline"}
+                log(f"{phase}: skipped ({self.left():.0f} s left)")
+                continue
+            if phase == "diffusers":
+                if self.args.baseline:
+                    self.diffusers(directory)
+            else:
+                self.serve(directory, phase)
+        self.report()
+
+    def report(self) -> None:
+        phases = self.results["phases"]
+        lines = []
+        first = self.args.sizes[0]
+
+        def serial(name: str, size: int) -> float | None:
+            entry = phases.get(name, {}).get("sizes", {}).get(size)
+            return entry["serial"]["median"] if entry else None
+
+        eager_ref = phases.get("diffusers", {}).get("eager", {}).get(first, {}).get("median")
+        default = serial("omni_default", first)
+        if default is not None:
+            lines.append((f"default flags {first}^2 end to end (s, <=)", default, TARGETS["default_s_1024"]))
+            if eager_ref:
+                lines.append(
+                    ("default vs diffusers eager (x, >=)", eager_ref / default, TARGETS["default_vs_diffusers_eager"])
+                )
+            compiled_ref = phases.get("diffusers", {}).get("compiled", {}).get(first, {}).get("median")
+            if compiled_ref:
+                lines.append(("default vs diffusers compiled (x)", compiled_ref / default, None))
+        fp8 = serial("omni_fp8", first)
+        if fp8 is not None:
+            lines.append((f"--quantization fp8 {first}^2 end to end (s, <=)", fp8, TARGETS["fp8_s_1024"]))
+        eager, fp8_eager = serial("omni_eager", first), serial("omni_fp8-eager", first)
+        if eager and fp8_eager:
+            lines.append(("FP8 eager vs bf16 eager (x, >=)", eager / fp8_eager, TARGETS["fp8_eager_vs_eager"]))
+        if eager and eager_ref:
+            lines.append(("omni eager vs diffusers eager (x)", eager_ref / eager, None))
+        for name in ("omni_default", "omni_fp8", "omni_eager", "omni_fp8-eager"):
+            phase = phases.get(name, {})
+            for key, target in (("cold_start_s", TARGETS["cold_start_s"]), ("warm_start_s", TARGETS["warm_start_s"])):
+                if key in phase:
+                    lines.append((f"{name} {key} (<=)", phase[key], target))
+            for size, entry in phase.get("sizes", {}).items():
+                if "throughput_ratio" in entry and name == "omni_default":
+                    lines.append(
+                        (
+                            f"{name} {size}^2 4 concurrent throughput (x, >=)",
+                            entry["throughput_ratio"],
+                            TARGETS["concurrency"].get(size),
+                        )
+                    )
+                if "psnr_vs_diffusers_db" in entry and name in ("omni_default", "omni_eager"):
+                    lines.append(
+                        (
+                            f"{name} {size}^2 PSNR vs diffusers (dB, >=)",
+                            entry["psnr_vs_diffusers_db"],
+                            TARGETS["psnr_db"],
+                        )
+                    )
+            if "metrics_after" in phase:
+                lines.append(
+                    (f"{name} recompiles since ready", phase["metrics_after"].get("omni:recompiles_since_ready", -1), 0)
+                )
+        self.results["report"] = [{"what": w, "value": v, "target": t} for w, v, t in lines]
+        self.save()
+        print("\nserving benchmark", self.results["device"])
+        for what, value, target in lines:
+            print(f"  {what}: {value:.3f}" + ("" if target is None else f" (target {target})"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="a tiny random checkpoint, 2 steps")
+    parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="default 1024 512 256 (smoke: 32 64)")
+    parser.add_argument("--steps", type=int, default=None, help="default 28 (smoke: 2)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--concurrent", type=int, default=4, help="requests sent with 4 in flight; 0: none")
+    parser.add_argument("--configs", nargs="+", default=["default", "fp8", "fp8-eager", "eager"], choices=CONFIG_FLAGS)
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--diffusers-compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--text-encoder-layers", type=int, default=2)
+    parser.add_argument("--start-timeout", type=float, default=400.0)
+    parser.add_argument("--deadline", type=float, default=1e9, help="seconds the whole run may take")
+    args = parser.parse_args()
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.sizes = args.sizes or ([32, 64] if args.smoke else [1024, 512, 256])
+    args.steps = args.steps or (2 if args.smoke else 28)
+    args.out.mkdir(parents=True, exist_ok=True)
+    Bench(args).run()
+
+
+if __name__ == "__main__":
+    main()
