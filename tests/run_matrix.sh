@@ -78,14 +78,38 @@ fi
 
 failed=()
 summary=()
+if printf '%s\n' "${packages[@]}" | grep -qx server && ! ensure_chromium; then
+  failed+=("test.server (chromium)")
+  mapfile -t packages < <(printf '%s\n' "${packages[@]}" | grep -vx server)
+fi
+
+# Building an environment is mostly downloading and unpacking, testing is mostly CPU: one background job builds
+# the environments one after another, in test order, while the tests of those already built run. It leaves
+# PACKAGE.ok or PACKAGE.failed (with PACKAGE.log) in $built.
+built=$(mktemp -d)
+trap 'kill "$builder" 2>/dev/null; rm -rf "$built"' EXIT
+(
+  for package in "${packages[@]}"; do
+    if hatch -q env create "test.${package}" >"$built/${package}.log" 2>&1; then
+      touch "$built/${package}.ok"
+    else
+      touch "$built/${package}.failed"
+    fi
+  done
+) &
+builder=$!
+
 for package in "${packages[@]}"; do
   echo "=== test.${package} ==="
   start=$SECONDS
-  if [ "${package}" = server ] && ! ensure_chromium; then
-    failed+=("test.${package} (chromium)")
+  while [ ! -e "$built/${package}.ok" ] && [ ! -e "$built/${package}.failed" ]; do
+    sleep 1
+  done
+  if [ -e "$built/${package}.failed" ]; then
+    cat "$built/${package}.log"
+    failed+=("test.${package} (environment)")
     continue
   fi
-  hatch -q env create "test.${package}" || { failed+=("test.${package} (environment)"); continue; }
   hatch run "+package=${package}" test:run -q -p no:cacheprovider
   rc=$?
   took=$((SECONDS - start))
@@ -94,7 +118,7 @@ for package in "${packages[@]}"; do
   elif [ $rc -ne 0 ]; then
     failed+=("test.${package} (pytest exit ${rc})")
   fi
-  summary+=("test.${package}: exit ${rc}, ${took}s")
+  summary+=("test.${package}: exit ${rc}, ${took}s (with the wait for its environment)")
 done
 
 echo "=== matrix summary ==="

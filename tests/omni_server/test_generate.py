@@ -54,35 +54,26 @@ def _generate(tmp_path: Path, name: str, **config) -> bytes:
     return path.read_bytes()
 
 
-def test_cli_writes_the_png_and_draws_a_progress_bar(tmp_path) -> None:
+def test_cli_writes_the_png_draws_a_progress_bar_and_upscales(tmp_path) -> None:
+    """One plain run (PNG, progress bar, the small-image note) and one --upscale 8 run of the same seed: the upscaled
+    image is the plain one with every pixel an 8x8 block."""
     out = tmp_path / "nested" / "out.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omni_server",
-            "generate",
-            PROMPT,
-            "-o",
-            str(out),
-            "--model",
-            MODEL,
-            "--device",
-            "cpu",
-            "--steps",
-            "3",
-            "--image-seed",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    base = [sys.executable, "-m", "omni_server", "generate", PROMPT, "--model", MODEL, "--device", "cpu"]
+    base += ["--steps", "3", "--image-seed", "1"]
+    result = subprocess.run([*base, "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert "denoising" in result.stderr and "3/3" in result.stderr
+    assert "draws 32x32 images; --upscale 8" in result.stderr
     image = Image.open(out)
     assert image.format == "PNG" and image.mode == "RGB"
+
+    big = subprocess.run([*base, "-o", str(tmp_path / "big.png"), "--upscale", "8"], capture_output=True, text=True)
+    assert big.returncode == 0, big.stderr
+    assert "--upscale 8" not in big.stderr
+    big_image = Image.open(tmp_path / "big.png")
+    assert big_image.size == (256, 256)
+    assert big_image.resize((32, 32), Image.Resampling.NEAREST).tobytes() == image.tobytes()
 
 
 def test_cli_rejects_a_bad_request_naming_the_field(tmp_path) -> None:
@@ -154,30 +145,6 @@ def test_the_cli_checks_arguments_against_the_metadata_before_loading(tmp_path, 
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "x.png").exists()
     assert time.monotonic() - started < 60  # no model was loaded (a load plus generation takes longer here)
-
-
-def test_upscale_writes_the_image_k_times_larger_and_a_small_image_says_so(tmp_path) -> None:
-    out = tmp_path / "big.png"
-    base = [
-        sys.executable,
-        "-m",
-        "omni_server",
-        "generate",
-        PROMPT,
-        "--device",
-        "cpu",
-        "--steps",
-        "2",
-        "--image-seed",
-        "4",
-    ]
-    plain = subprocess.run([*base, "-o", str(tmp_path / "small.png")], capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0 and "draws 32x32 images; --upscale 8" in plain.stderr
-    big = subprocess.run([*base, "-o", str(out), "--upscale", "8"], capture_output=True, text=True, timeout=300)
-    assert big.returncode == 0, big.stderr
-    small_image, big_image = Image.open(tmp_path / "small.png"), Image.open(out)
-    assert big_image.size == (256, 256)
-    assert big_image.resize((32, 32), Image.Resampling.NEAREST).tobytes() == small_image.tobytes()
 
 
 def _fp8_state(config_overrides: dict) -> dict:
