@@ -40,6 +40,7 @@ from omni_models.families import (
     ReferenceConditioning,
     pack_latents,
 )
+from omni_models.limits import MAX_INPUT_IMAGES
 from omni_models.request import ResolvedRequest
 from omni_models.spec import ModelInfo, ModelSpec
 
@@ -65,7 +66,6 @@ PREFERRED_RESOLUTIONS = (
     (1568, 672),
 )
 PREFERRED_SIDE = 1024  # the native side the preferred resolutions are for
-MAX_INPUT_IMAGES = 4  # placed side by side: more would make every reference token tiny
 DEFAULT_GUIDANCE = 2.5  # Black Forest Labs' FLUX.1-Kontext-dev card
 
 
