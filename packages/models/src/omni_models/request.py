@@ -81,7 +81,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "max_new_tokens": ("max_new_tokens",),
     "image": ("images",),
 }
-_UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "images": ()}
+_UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "image": ()}
 
 
 def _given(request: GenerationRequest, field: str) -> bool:
