@@ -114,6 +114,19 @@ def test_input_images_are_converted_where_faithful_and_refused_by_name_otherwise
         assert raised.value.param == "image"
 
 
+def test_reference_resolution_is_diffusers_auto_resize_at_the_native_side() -> None:
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    from omni_models.backends.flux_kontext import PREFERRED_RESOLUTIONS, reference_size
+
+    assert PREFERRED_RESOLUTIONS == tuple(PREFERRED_KONTEXT_RESOLUTIONS)
+    for height, width in ((1024, 1024), (768, 1360), (1500, 600), (333, 333), (720, 1280)):
+        aspect = width / height
+        _, w, h = min((abs(aspect - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        assert reference_size(height, width, native_side=1024, multiple=16) == (h // 16 * 16, w // 16 * 16)
+    assert reference_size(24, 40, native_side=32, multiple=2) == (26, 42)  # 1328x800 scaled by 32/1024
+
+
 def test_requests_with_images_are_checked_against_the_model(kontext_dir) -> None:
     from omni_models import GenerationRequest, InputImage, InvalidRequestError, inspect, resolve_request
 

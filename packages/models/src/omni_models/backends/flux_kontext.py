@@ -45,7 +45,7 @@ from omni_models.request import ResolvedRequest
 from omni_models.spec import ModelInfo, ModelSpec
 
 # diffusers' PREFERRED_KONTEXT_RESOLUTIONS (width, height), the resolutions FLUX.1-Kontext was trained at; copied so
-# that ``inspect`` and this module's import need no diffusers (tests/omni_models/test_flux_kontext.py checks it).
+# that ``inspect`` and this module's import need no diffusers (tests/omni_server/test_edits.py checks it).
 PREFERRED_RESOLUTIONS = (
     (672, 1568),
     (688, 1504),
