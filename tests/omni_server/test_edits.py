@@ -360,3 +360,32 @@ def test_generate_cli_edits_two_images_like_diffusers(kontext_dir, reference, to
         with pytest.raises(GenerateError, match=words) as raised:
             read_input_image(str(path), ServerConfig(max_input_image_bytes=100))
         assert str(raised.value).startswith(f"--image {path}")
+
+
+def test_playground_uploads_images_shows_the_edit_and_keeps_it_with_its_inputs(
+    kontext_server, browser, reference, tools, tmp_path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    image = _noise(32, 32, 8)
+    image.save(tmp_path / "in.png")
+    driver = browser
+    driver.get(kontext_server.url + "/")
+    WebDriverWait(driver, 30).until(
+        lambda d: d.find_element(By.ID, "family").text == "(flux-kontext, flux.1-kontext-dev)"
+    )
+    assert driver.find_element(By.ID, "images").is_displayed()
+    driver.find_element(By.ID, "images").send_keys(str(tmp_path / "in.png"))
+    for field, value in (("prompt", "a red circle"), ("steps", "2"), ("seed", "4")):
+        driver.find_element(By.ID, field).send_keys(value)
+    driver.find_element(By.ID, "generate").click()
+    WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith(("Done", "Error")))
+    assert driver.find_element(By.ID, "status").text == "Done (2/2 steps).", driver.find_element(By.ID, "status").text
+    figure = driver.find_element(By.CSS_SELECTOR, "#gallery figure")
+    assert len(figure.find_elements(By.CSS_SELECTOR, "img.input")) == 1
+    assert "inputs: 1" in figure.find_element(By.TAG_NAME, "figcaption").text
+    src = driver.find_element(By.ID, "result").get_attribute("src")
+    shown = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB")
+    expected = _expected(reference, image, 4, 32, 32, prompt="a red circle", num_inference_steps=2, guidance_scale=2.5)
+    _check(tools.psnr, "kontext playground edit", [shown], [expected])
