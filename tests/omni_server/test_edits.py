@@ -27,7 +27,7 @@ from PIL import Image
 diffusers = pytest.importorskip("diffusers")
 
 TARGET_DB = 40.0
-SERVER_FLAGS = ("--max-input-image-bytes", "20000", "--max-input-image-pixels", "4096")
+SERVER_FLAGS = ("--max-input-image-bytes", "20000", "--max-input-image-pixels", "4096", "--no-warmup")
 
 
 def _png(image: Image.Image, **save) -> bytes:
