@@ -473,7 +473,14 @@ def test_install_guards_puts_every_route_behind_the_guard_and_admits_multipart_w
     from omni_server.config import ServerConfig
     from omni_server.http_guard import install_guards, unguarded_routes
 
-    config = ServerConfig(port=tools.free_port(), max_request_body_bytes=4096, api_key=KEY, allowed_origins=[ORIGIN])
+    # A form body may hold 4096 + 4 x 1024 bytes (--max-request-body-bytes plus 4 x --max-input-image-bytes).
+    config = ServerConfig(
+        port=tools.free_port(),
+        max_request_body_bytes=4096,
+        max_input_image_bytes=1024,
+        api_key=KEY,
+        allowed_origins=[ORIGIN],
+    )
 
     def build() -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None)
@@ -541,5 +548,13 @@ def test_every_route_of_the_served_app_is_guarded_for_every_model_kind(model: st
 
     app = create_app(build_config(None, model=model, device="cpu"))
     paths = {getattr(route, "path", None) for route in app.router.routes}
-    assert {"/v1/images/generations", "/v1/audio/speech", "/v1/models", "/health", "/metrics", "/"} <= paths
+    assert {
+        "/v1/images/generations",
+        "/v1/images/edits",
+        "/v1/audio/speech",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/",
+    } <= paths
     assert unguarded_routes(app) == []

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 if TYPE_CHECKING:
     from omni_models.contract import Job, PagedPipeline, StepwisePipeline
     from omni_models.families import FamilyJob, FamilyPipeline
+    from omni_models.input_images import InputImage, decode_input_image
     from omni_models.pipeline import Pipeline
     from omni_models.registry import LoadOptions, inspect, load
     from omni_models.request import GenerationRequest, ResolvedRequest, resolve_request
@@ -35,6 +36,8 @@ _LAZY = {
     "StepwisePipeline": "omni_models.contract",
     "FamilyJob": "omni_models.families",
     "FamilyPipeline": "omni_models.families",
+    "InputImage": "omni_models.input_images",
+    "decode_input_image": "omni_models.input_images",
     "Pipeline": "omni_models.pipeline",
     "LoadOptions": "omni_models.registry",
     "inspect": "omni_models.registry",
@@ -71,6 +74,7 @@ __all__ = [
     "GenerationJob",
     "GenerationRequest",
     "ImageLimits",
+    "InputImage",
     "InvalidRequestError",
     "Job",
     "LoadOptions",
@@ -83,6 +87,7 @@ __all__ = [
     "SizeRange",
     "StepwisePipeline",
     "__version__",
+    "decode_input_image",
     "inspect",
     "load",
     "resolve_request",

@@ -22,6 +22,12 @@ and the same seed gives the image diffusers draws with ``generator=torch.Generat
    requests, be at different step indices and use different guidance.
 4. ``decode(jobs)`` returns their images (one VAE decode per distinct size).
 
+Edit families (FLUX.1-Kontext: ``image`` in ``ModelInfo.accepts``) add a ``ReferenceConditioning`` to a request's
+jobs: ``prepare`` turns the request's input images into the pixels the VAE reads (host side), ``start`` encodes them
+once for the request (shared by its ``n`` jobs, every step and both CFG rows), ``release`` frees the latents. Jobs
+whose output size and reference geometry agree share one forward, whichever request they come from; jobs without a
+reference (text to image on the same transformer) form their own group, since their sequences are shorter.
+
 Guidance (``omni_models.request``): ``guidance_scale`` is the model's guidance. For a family with embedded guidance
 (FLUX.1-dev) it is the transformer's guidance input and ``true_cfg_scale`` adds classifier-free guidance on top;
 for the others (Qwen-Image, FLUX.1-schnell) ``guidance_scale`` is the true-CFG scale. True CFG runs (a cond and an
@@ -158,6 +164,35 @@ class PromptConditioning:
 
 
 @dataclass(eq=False)
+class ReferenceConditioning:
+    """The input images of one edit request, shared by all its jobs (``omni_models.backends.flux_kontext``).
+
+    ``pixels`` is the preprocessed image the VAE encodes (``[1, 3, H, W]`` in [-1, 1], CPU; set by ``prepare``,
+    dropped once encoded); ``latents`` its packed VAE latents ``[S_ref, C]`` and ``ids`` their position ids
+    ``[S_ref, 3]`` on the device (set by ``start``, freed by ``release``). ``key`` tells which references can share
+    a forward (the same token grid, hence the same ids).
+    """
+
+    pixels: Tensor | None
+    latent_height: int
+    latent_width: int
+    latents: Tensor | None = None
+    ids: Tensor | None = None
+
+    @property
+    def encoded(self) -> bool:
+        return self.latents is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.latent_height // 2) * (self.latent_width // 2)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.latent_height, self.latent_width
+
+
+@dataclass(eq=False)
 class FamilyJob:
     """The mutable state of one image. Invariant: ``latents`` is the sampler state after ``step_index`` steps.
 
@@ -174,6 +209,7 @@ class FamilyJob:
     timesteps: Tensor  # float32 [num_steps], CPU, what the transformer sees (x 1/1000)
     step_index: int = 0
     request_id: str | None = field(default=None)
+    reference: ReferenceConditioning | None = None  # an edit's input images, shared by the request's jobs
 
     @property
     def num_steps(self) -> int:
@@ -190,11 +226,22 @@ class FamilyJob:
 
     @property
     def num_rows(self) -> int:
-        return 2 if self.guided else 1
+        """Rows of a forward's row budget: 2 under true CFG, else 1; an edit row counts as many rows as its
+        sequence (output + reference tokens) is a multiple of the output's, rounded up."""
+        rows = 2 if self.guided else 1
+        if self.reference is None:
+            return rows
+        output = self.latents.shape[0]
+        return rows * -(-(output + self.reference.num_tokens) // output)
 
     @property
     def size(self) -> tuple[int, int]:
         return self.request.height, self.request.width
+
+    @property
+    def batch_key(self) -> tuple[int, int, tuple[int, int] | None]:
+        """Jobs with equal keys share one transformer forward (the same sequence layout)."""
+        return self.request.height, self.request.width, None if self.reference is None else self.reference.key
 
 
 @dataclass(frozen=True)
@@ -205,6 +252,7 @@ class DenoiseRow:
     text: TextEmbedding
     timestep: Tensor  # float32 0-dim, in [0, 1000]
     guidance: float | None
+    reference: ReferenceConditioning | None = None  # encoded; every row of one forward has the same key
 
 
 class FamilyBackend(Protocol):
@@ -318,6 +366,18 @@ class DiffusersBackend:
     def postprocess(self, image: Tensor) -> list[Image.Image]:
         return self.pipeline.image_processor.postprocess(image, output_type="pil")
 
+    def prepare_reference(self, request: ResolvedRequest) -> ReferenceConditioning | None:
+        """The request's input images as the family conditions on them (host side), or None without images.
+        Families that edit override it; ``resolve_request`` refuses images for the others (``image`` is not in
+        their ``accepts``)."""
+        if request.images:
+            raise ValueError(f"the {self.family.name} family takes no input images")
+        return None
+
+    def encode_reference(self, reference: ReferenceConditioning) -> None:
+        """Fill ``reference.latents`` and ``reference.ids`` (the edit families' VAE encode)."""
+        raise NotImplementedError(f"the {self.family.name} family takes no input images")
+
 
 def euler_step(latents: Tensor, velocity: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
     """diffusers' flow-matching Euler step with its precision: state in float32, ``dt * v`` in v's dtype."""
@@ -366,6 +426,8 @@ class FamilyPipeline:
         guided = request.negative_prompt is not None and cfg > 1.0
         conditioning = PromptConditioning(request.prompt, request.negative_prompt if guided else None)
         sigmas, timesteps = self.backend.schedule(request.num_inference_steps, request.height, request.width)
+        reference = self.backend.prepare_reference(request)
+        request = msgspec.structs.replace(request, images=())  # the pixels live on the reference from here on
         jobs = []
         for index in range(request.n):
             image = msgspec.structs.replace(request, n=1, seed=request.seed + index)
@@ -379,6 +441,7 @@ class FamilyPipeline:
                     sigmas=sigmas,
                     timesteps=timesteps,
                     request_id=request_id,
+                    reference=reference,
                 )
             )
         return jobs
@@ -386,7 +449,8 @@ class FamilyPipeline:
     @torch.no_grad()
     def start(self, jobs: Sequence[FamilyJob]) -> None:
         """Run the text encoders for every not-yet-encoded conditioning among ``jobs``, each distinct text once
-        (and not at all for a text still in the prompt-embedding cache)."""
+        (and not at all for a text still in the prompt-embedding cache), and the VAE for every not-yet-encoded
+        reference (once per request)."""
         encoded: dict[str, TextEmbedding] = {}
         settings = self.backend.encoder_settings()
 
@@ -396,6 +460,8 @@ class FamilyPipeline:
             return encoded[text]
 
         for job in jobs:
+            if job.reference is not None and not job.reference.encoded:
+                self.backend.encode_reference(job.reference)
             conditioning = job.conditioning
             if conditioning.encoded:
                 continue
@@ -412,26 +478,27 @@ class FamilyPipeline:
             if id(job) in seen:
                 raise ValueError(f"job {job.request_id or id(job)} appears twice in one batch")
             seen.add(id(job))
-            if not job.conditioning.encoded:
+            if not job.conditioning.encoded or (job.reference is not None and not job.reference.encoded):
                 raise ValueError("start() must run for a job before its first step")
             if job.finished:
                 raise ValueError(f"job already ran all {job.num_steps} steps; decode it")
 
     @torch.no_grad()
     def step(self, jobs: Sequence[FamilyJob]) -> None:
-        """One step for every job: one transformer forward per distinct image size, all rows of that size in it."""
+        """One step for every job: one transformer forward per distinct ``batch_key`` (image size and reference
+        geometry), all rows with that key in it."""
         self._check_batch(jobs)
-        by_size: dict[tuple[int, int], list[FamilyJob]] = defaultdict(list)
+        by_key: dict[tuple[int, int, Any], list[FamilyJob]] = defaultdict(list)
         for job in jobs:
-            by_size[job.size].append(job)
-        for (height, width), group in by_size.items():
+            by_key[job.batch_key].append(job)
+        for (height, width, _), group in by_key.items():
             rows = []
             for job in group:
-                conditioning = job.conditioning
+                conditioning, reference = job.conditioning, job.reference
                 timestep = job.timesteps[job.step_index]
-                rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance))
+                rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance, reference))
                 if job.guided:
-                    rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance))
+                    rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance, reference))
             velocities = iter(self.backend.forward(rows, height, width))
             for job in group:
                 velocity = next(velocities)
@@ -458,9 +525,11 @@ class FamilyPipeline:
         return images  # type: ignore[return-value]
 
     def release(self, jobs: Sequence[FamilyJob]) -> None:
-        """Drop the jobs' text embeddings (the request's conditioning is shared by its jobs)."""
+        """Drop the jobs' text embeddings and reference latents (shared by the request's jobs)."""
         for job in jobs:
             job.conditioning.cond = job.conditioning.uncond = None
+            if job.reference is not None:
+                job.reference.pixels = job.reference.latents = job.reference.ids = None
 
     def close(self) -> None:
         """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""
@@ -484,11 +553,13 @@ class FamilyPipeline:
         height: int | None = None,
         width: int | None = None,
         num_images_per_prompt: int = 1,
+        image: Image.Image | Sequence[Image.Image] | None = None,
         callback_on_step_end: Callable[[FamilyPipeline, int, Tensor, dict[str, Any]], Any] | None = None,
     ) -> list[Image.Image]:
         """Images for each prompt, ``num_images_per_prompt`` each, seeds consecutive from ``seed``.
 
         ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, S, C]})`` observes every step.
+        ``image``: an edit family's input image(s) (``FluxKontextPipeline``'s ``image``; several are one reference).
         Every prompt is validated before the model runs. ``negative_prompt=None`` means none (diffusers' default),
         not the model's default negative prompt that servers use.
         """
@@ -503,6 +574,7 @@ class FamilyPipeline:
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             true_cfg_scale=true_cfg_scale,
+            images=_input_images(image),
         )
         self.start(jobs)
         for step in range(jobs[0].num_steps):
@@ -542,6 +614,14 @@ class FamilyPipeline:
                 block.compile(**compile_kwargs)
 
 
+def _input_images(image: Image.Image | Sequence[Image.Image] | None) -> tuple[Any, ...]:
+    from omni_models.input_images import InputImage
+
+    if image is None:
+        return ()
+    return tuple(InputImage.from_pil(i) for i in ([image] if isinstance(image, Image.Image) else image))
+
+
 __all__ = [
     "FAMILY_ACCEPTS",
     "DenoiseRow",
@@ -553,6 +633,7 @@ __all__ = [
     "FamilyPipeline",
     "packing_problem",
     "PromptConditioning",
+    "ReferenceConditioning",
     "Slot",
     "TextEmbedding",
     "euler_step",

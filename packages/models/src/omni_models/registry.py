@@ -56,6 +56,7 @@ KINDS: tuple[ModelKind, ...] = (
     ModelKind("omni-music", "omni_models.backends.music", marker="ar.safetensors"),
     ModelKind("omni-dit", "omni_models.backends.dit", marker="config.json"),
     ModelKind("flux", "omni_models.backends.flux", pipeline_class="FluxPipeline"),
+    ModelKind("flux-kontext", "omni_models.backends.flux_kontext", pipeline_class="FluxKontextPipeline"),
     ModelKind("qwen-image", "omni_models.backends.qwen_image", pipeline_class="QwenImagePipeline"),
 )
 

@@ -13,6 +13,9 @@ What the fields mean, for every model kind:
   whose guidance *is* true CFG it must agree with ``guidance_scale`` when both are given.
 - ``negative_prompt``: unset means the model's default negative prompt; ``None`` means none.
 - image ``i`` of a request uses seed ``seed + i``.
+- ``images`` (``image`` in ``ModelInfo.accepts``): the input images of an edit (``omni_models.input_images``), at
+  most ``ImageLimits.max_input_images``; with images and no size, the output takes the first image's size rounded to
+  the model's granularity (``ImageLimits.fit_size``).
 - music: ``prompt`` is the caption, ``lyrics`` the structure-tagged lyrics, ``max_new_tokens`` a cap on frames.
 """
 
@@ -25,6 +28,7 @@ from typing import Any
 import msgspec
 
 from omni_models.errors import InvalidRequestError
+from omni_models.input_images import InputImage
 from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_SEED, draw_seed
 from omni_models.spec import ModelInfo
 
@@ -44,6 +48,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     seed: int | None = None
     lyrics: str | None = None
     max_new_tokens: int | None = None
+    images: tuple[InputImage, ...] = ()
 
 
 class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +66,7 @@ class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     lyrics: str | None = None
     max_new_tokens: int | None = None
+    images: tuple[InputImage, ...] = ()
 
 
 # The request fields ``ModelInfo.accepts`` names, and the attribute each is set through (``size``: two).
@@ -73,13 +79,14 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "true_cfg_scale": ("true_cfg_scale",),
     "lyrics": ("lyrics",),
     "max_new_tokens": ("max_new_tokens",),
+    "image": ("images",),
 }
-_UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1}
+_UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "image": ()}
 
 
 def _given(request: GenerationRequest, field: str) -> bool:
     unset = _UNSET_VALUES.get(field)
-    return any(getattr(request, attribute) is not unset for attribute in _FIELD_ATTRIBUTES[field])
+    return any(getattr(request, attribute) != unset for attribute in _FIELD_ATTRIBUTES[field])
 
 
 def _integer(value: Any, param: str, low: int, high: int, what: str | None = None) -> int:
@@ -139,7 +146,16 @@ def resolve_request(
     limits = info.image
     assert limits is not None  # ModelInfo holds the limits of its task
     n = _integer(request.n, "n", 1, limits.max_images_per_request)
+    images = tuple(request.images)
+    if len(images) > limits.max_input_images:
+        raise InvalidRequestError(
+            f"got {len(images)} input images; {info.variant} takes at most {limits.max_input_images}", param="image"
+        )
+    if not all(isinstance(image, InputImage) for image in images):
+        raise InvalidRequestError("images must be InputImage values (omni_models.decode_input_image)", param="image")
     default_height, default_width = limits.default_size
+    if images and request.height is None and request.width is None:
+        default_height, default_width = limits.fit_size(images[0].height, images[0].width)
     height = default_height if request.height is None else request.height
     width = default_width if request.width is None else request.width
     for side, value in (("height", height), ("width", width)):
@@ -167,6 +183,7 @@ def resolve_request(
         guidance_scale=guidance,
         true_cfg_scale=true_cfg,
         seed=_seed(request.seed, n, MAX_SEED, rng),
+        images=images,
     )
 
 

@@ -47,6 +47,8 @@ class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
     default_negative_prompt: str | None = None
     max_images_per_request: int
     max_prompt_tokens: int
+    # Input images an edit request may carry (``image`` in ``ModelInfo.accepts``); 0: the model does no editing.
+    max_input_images: int = 0
 
     @property
     def default_size(self) -> tuple[int, int]:
@@ -68,6 +70,23 @@ class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
             f"size {width}x{height} is not supported by {model}: width and height must be multiples of "
             f"{rule.multiple} in [{rule.min_side}, {rule.max_side}]"
         )
+
+    def fit_size(self, height: int, width: int) -> tuple[int, int]:
+        """An accepted size closest to ``width`` x ``height`` with its aspect ratio (``size=auto`` of an edit): scaled
+        down into ``max_side`` if larger, each side rounded to the nearest ``multiple``, then clamped into range. A
+        model of listed sizes gets the listed size nearest in aspect ratio, then area."""
+        rule = self.size_range
+        if rule is None:
+            return min(
+                self.sizes, key=lambda hw: (abs(hw[1] / hw[0] - width / height), abs(hw[0] * hw[1] - height * width))
+            )
+        scale = min(1.0, rule.max_side / max(height, width))
+
+        def side(value: int) -> int:
+            rounded = int(value * scale / rule.multiple + 0.5) * rule.multiple
+            return min(max(rounded, rule.min_side), rule.max_side)
+
+        return side(height), side(width)
 
     def smallest_size(self) -> tuple[int, int]:
         """The cheapest accepted size (the engine's warm-up)."""

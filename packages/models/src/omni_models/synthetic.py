@@ -371,7 +371,7 @@ def qwen_image_components(
     return {**built, "tokenizer": tokenizer, "scheduler": scheduler}
 
 
-PIPELINE_CLASSES = {"flux": "FluxPipeline", "qwen-image": "QwenImagePipeline"}
+PIPELINE_CLASSES = {"flux": "FluxPipeline", "flux-kontext": "FluxKontextPipeline", "qwen-image": "QwenImagePipeline"}
 
 
 def diffusers_pipeline(family: str, components: dict[str, Any]) -> Any:

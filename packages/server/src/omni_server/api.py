@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: one app and one guard for every model kind and every route.
 
 Routes (each behind ``http_guard``: limits, auth, Host and content-type rules, drain): ``POST
-/v1/images/generations`` (``omni_server.images``), ``POST /v1/audio/speech`` (``omni_server.audio``), ``GET
-/v1/models`` and ``GET /v1/models/{id}``, ``GET /v1/progress/{key}``, ``GET /health``, ``GET /metrics``, and the
+/v1/images/generations`` (``omni_server.images``), ``POST /v1/images/edits`` (``omni_server.edits``, the one
+multipart route), ``POST /v1/audio/speech`` (``omni_server.audio``), ``GET /v1/models`` and ``GET
+/v1/models/{id}``, ``GET /v1/progress/{key}``, ``GET /health``, ``GET /metrics``, and the
 playground at ``/`` (the image or the music page, by the model's task). ``/docs`` and ``/redoc`` are off (they
 load scripts from a CDN, which an offline machine cannot reach); ``/openapi.json`` is served.
 
@@ -348,6 +349,7 @@ def create_app(
     generation requests in ``app.state.in_flight`` so the drain knows when they are done.
     """
     from omni_server.audio import speech_router
+    from omni_server.edits import EDITS_PATH, edits_router
     from omni_server.images import images_router
 
     drain = drain or DrainState()
@@ -396,11 +398,12 @@ def create_app(
     app.state.drain = drain
     app.state.in_flight = 0
     app.state.server = state
-    install_guards(app, config, draining=lambda: drain.draining)
+    install_guards(app, config, draining=lambda: drain.draining, multipart_paths=(EDITS_PATH,))
     _install_error_handlers(app, config.max_error_message_chars)
     for router in (
         service_router(state),
         images_router(state),
+        edits_router(state),
         speech_router(state),
         progress_router(progress),
         playground_router(state),

@@ -136,6 +136,14 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     )
     request.add_argument("--size", default=None, help="WIDTHxHEIGHT")
     request.add_argument(
+        "--image",
+        dest="images",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an input image to edit (an edit model, e.g. FLUX.1-Kontext); repeat for several",
+    )
+    request.add_argument(
         "--image-seed",
         dest="image_seed",
         type=int,

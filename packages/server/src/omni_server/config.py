@@ -243,6 +243,29 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, setting("larger bodies get 413, e.g. 1M", group="Limits", parse="human_int", metavar="BYTES", ge=1)
     ] = 2**20
     max_prompt_chars: Annotated[int, setting("longer prompts get 400 before tokenizing", group="Limits", ge=1)] = 2000
+    max_input_image_bytes: Annotated[
+        int,
+        setting(
+            "an edit's input image file larger than this gets 400 (the edits route's body may hold "
+            "--max-request-body-bytes plus 4 of them)",
+            group="Limits",
+            commands=BOTH,
+            parse="human_int",
+            metavar="BYTES",
+            ge=1,
+        ),
+    ] = 20 * 2**20
+    max_input_image_pixels: Annotated[
+        int,
+        setting(
+            "an edit's input image with more pixels (width x height, read from its header) gets 400",
+            group="Limits",
+            commands=BOTH,
+            parse="human_int",
+            metavar="PIXELS",
+            ge=1,
+        ),
+    ] = 4096 * 4096
     max_error_message_chars: Annotated[int, setting("error messages are cut to this length", group="Limits", ge=1)] = (
         2000
     )
@@ -320,6 +343,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def model_name(self) -> str:
         """The name clients pass as ``model`` (defaults to the model argument)."""
         return self.served_model_name or self.model
+
+    @property
+    def max_form_body_bytes(self) -> int:
+        """The body bound of a route that takes files (the edits route): the JSON bound plus the most input images
+        of their largest size."""
+        from omni_models.limits import MAX_INPUT_IMAGES
+
+        return self.max_request_body_bytes + MAX_INPUT_IMAGES * self.max_input_image_bytes
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,16 @@ from typing import TextIO
 
 import msgspec
 
-from omni_models import GenerationRequest, InvalidRequestError, ModelInfo, ModelSpec, ResolvedRequest, resolve_request
+from omni_models import (
+    GenerationRequest,
+    InputImage,
+    InvalidRequestError,
+    ModelInfo,
+    ModelSpec,
+    ResolvedRequest,
+    decode_input_image,
+    resolve_request,
+)
 from omni_server.config import ConfigError, ServerConfig
 
 # The flag a request field comes from, for messages.
@@ -33,6 +42,7 @@ REQUEST_FLAGS = {
     "seed": "--image-seed",
     "lyrics": "--lyrics",
     "max_new_tokens": "--max-new-tokens",
+    "image": "--image",
 }
 SMALL_SIDE = 128  # below this, generate says how to write the image larger
 
@@ -78,6 +88,7 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
 def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) -> ResolvedRequest:
     """The flags' request, checked against the model (before it loads); ``GenerateError`` naming the flag."""
     height, width = parse_size(args.size)
+    images = tuple(read_input_image(path, config) for path in getattr(args, "images", ()))
     lyrics = None if args.lyrics is None else args.lyrics.replace("\\n", "\n")
     request = GenerationRequest(
         prompt=args.prompt,
@@ -91,11 +102,26 @@ def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) ->
         seed=args.image_seed if args.image_seed is not None else config.seed,
         lyrics=lyrics,
         max_new_tokens=args.max_new_tokens,
+        images=images,
     )
     try:
         return resolve_request(info, request)
     except InvalidRequestError as exc:
         raise GenerateError(f"{REQUEST_FLAGS.get(exc.param, exc.param)}: {exc}") from None
+
+
+def read_input_image(path: str, config: ServerConfig) -> InputImage:
+    """One ``--image`` file, decoded and checked as the edits route checks an upload; ``GenerateError`` naming it."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise GenerateError(f"--image {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        return decode_input_image(
+            data, max_bytes=config.max_input_image_bytes, max_pixels=config.max_input_image_pixels, param="--image"
+        )
+    except InvalidRequestError as exc:
+        raise GenerateError(f"--image {path}: {exc}") from None
 
 
 def output_paths(output: Path, n: int) -> list[Path]:

@@ -236,7 +236,9 @@ class HTTPGuard:
         return await self._read_body(scope, values, receive)
 
     async def _read_body(self, scope: dict, values: dict[bytes, bytes], receive: Callable) -> Callable | None:
-        limit = self._config.max_request_body_bytes
+        takes_files = scope["path"] in self._multipart_paths
+        limit = self._config.max_form_body_bytes if takes_files else self._config.max_request_body_bytes
+        flags = "--max-request-body-bytes" + (" + 4 x --max-input-image-bytes" if takes_files else "")
         length_header = values.get(b"content-length")
         if length_header is not None and b"transfer-encoding" in values:
             raise APIError(
@@ -266,7 +268,7 @@ class HTTPGuard:
             if length > limit:
                 raise APIError(
                     413,
-                    f"the request body has {length} bytes; at most {limit} are accepted (--max-request-body-bytes)",
+                    f"the request body has {length} bytes; at most {limit} are accepted ({flags})",
                     type="invalid_request_error",
                     code="body_too_large",
                     close=True,
@@ -292,7 +294,7 @@ class HTTPGuard:
             if len(body) > limit:
                 raise APIError(
                     413,
-                    f"the request body exceeds {limit} bytes (--max-request-body-bytes)",
+                    f"the request body exceeds {limit} bytes ({flags})",
                     type="invalid_request_error",
                     code="body_too_large",
                     close=True,

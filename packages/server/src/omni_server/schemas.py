@@ -90,7 +90,7 @@ class ModelObject(BaseModel):
     created: int
     owned_by: str = "omni"
     task: Literal["text-to-image", "text-to-music"]
-    family: str = Field(description="omni-dit, flux, qwen-image or omni-music")
+    family: str = Field(description="omni-dit, flux, flux-kontext, qwen-image or omni-music")
     variant: str
     accepts: list[str] = Field(description="request fields this model uses")
     # image models
@@ -106,6 +106,7 @@ class ModelObject(BaseModel):
     max_images_per_request: int | None = None
     max_inference_steps: int | None = None
     max_prompt_tokens: int | None = None
+    max_input_images: int | None = Field(default=None, description="edit models: input images per request")
     # music models
     sample_rate: int | None = None
     channels: int | None = None
@@ -145,6 +146,7 @@ def model_object(info: ModelInfo, served_name: str, created: int) -> ModelObject
                 max_images_per_request=image.max_images_per_request,
                 max_inference_steps=image.max_inference_steps,
                 max_prompt_tokens=image.max_prompt_tokens,
+                max_input_images=image.max_input_images or None,
             )
         )
     if info.audio is not None:
