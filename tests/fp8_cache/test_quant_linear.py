@@ -338,3 +338,22 @@ def test_fp8_linear_under_torch_compile_matches_eager(scaling):
     # values land one FP8 step apart, so compare within one FP8 step of the output's scale.
     tolerance = 0.07 * eager.float().abs().max().item()
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=0, atol=tolerance)
+
+
+def test_linears_reading_one_input_quantize_it_once() -> None:
+    """``quantized_input`` reuses the last result only for the same tensor object at the same version and scaling."""
+    from fp8_cache import quantized_input
+
+    x = torch.randn(8, 32)
+    first = quantized_input(x, "row")
+    assert quantized_input(x, "row") is first  # Q, K and V projections of one input
+    assert quantized_input(x, "tensor") is not first  # another scaling
+    other = x.clone()
+    assert quantized_input(other, "row") is not first  # equal values, another tensor
+    again = quantized_input(x, "row")
+    x.mul_(2)  # modified in place: its version counter moved
+    changed = quantized_input(x, "row")
+    assert changed is not again and torch.equal(changed.scale, 2 * again.scale)
+    with torch.inference_mode():  # no version counter: never reused
+        y = torch.randn(4, 16)
+        assert quantized_input(y, "row") is not quantized_input(y, "row")

@@ -83,6 +83,8 @@ def test_bad_config_files_name_the_problem(tmp_path, yaml_text: str, fragment: s
         (["--kv-cache-memory-bytes", "1.5G"], "decimals are not allowed"),
         (["--api-key", " "], "api_key must be a key that is not blank"),
         (["--offload-allgather", "--enable-layerwise-offload"], "needs --sequence-parallel-size >= 2"),
+        (["--enforce-eager", "--compile-cache-dir", "/tmp/c"], "--enforce-eager compiles nothing"),
+        (["--prompt-embed-cache-size", "-1"], "prompt_embed_cache_size must be >= 0"),
     ],
 )
 def test_invalid_settings_fail_at_start_with_what_to_change(argv: list[str], fragment: str) -> None:
@@ -212,3 +214,34 @@ def test_help_is_grouped_like_vllm_serve() -> None:
         "--port",
     ):
         assert flag in help_text
+
+
+def test_the_server_compiles_only_on_cuda_for_kinds_that_can_and_never_under_offload() -> None:
+    from omni_models import Capabilities, ModelSpec
+    from omni_server.startup import compiles, serving_options
+
+    spec = ModelSpec(
+        kind="flux",
+        directory="/x",
+        info=None,
+        capabilities=Capabilities(
+            fp8=True,
+            layerwise_offload=True,
+            offload_allgather=False,
+            cfg_parallel=True,
+            sequence_parallel=True,
+            compile=True,
+            prompt_embed_cache=True,
+        ),
+    )
+    cuda = build_config(None, device="cuda")
+    assert compiles(cuda, spec)  # the default: compiled
+    assert not compiles(build_config(None, device="cuda", enforce_eager=True), spec)
+    assert not compiles(build_config(None, device="cuda", enable_layerwise_offload=True), spec)
+    assert not compiles(build_config(None, device="cpu"), spec)  # CPU (CI) stays eager
+    music = msgspec.structs.replace(spec, capabilities=msgspec.structs.replace(spec.capabilities, compile=False))
+    assert not compiles(cuda, music)
+    options = serving_options(build_config(None, device="cuda", compile_cache_dir="/c"), spec)
+    assert options == {"compile": True, "compile_cache_dir": "/c", "prompt_embed_cache_size": 32}
+    cpu = serving_options(build_config(None, device="cpu", compile_cache_dir="/c"), music)
+    assert cpu == {"compile": False, "compile_cache_dir": None, "prompt_embed_cache_size": 32}

@@ -179,3 +179,20 @@ def test_abort_and_a_failing_forward_fail_only_their_request(pipelines, monkeypa
     assert done["boom"].error is not None and done["boom"].error.kind == "engine"
     assert done["ok"].error is None and len(done["ok"].outputs) == 1
     assert not engine.has_work()
+
+
+def test_a_compiled_pipeline_is_warmed_up_at_its_served_shapes_and_serving_then_compiles_nothing(family_dirs):
+    """The engine's start-up (a warm-up that compiled graphs, so the served shapes as well) leaves nothing for
+    requests of other sizes and row counts to compile: ``recompiles_since_ready`` stays 0 (``/metrics``)."""
+    import omni_models
+    from omni_server.engine import EngineCore
+
+    pipeline = omni_models.load(str(family_dirs["flux"]), compile=True, compile_backend="eager")
+    engine = EngineCore(pipeline, build_config(None, model="unused", device="cpu"))
+    ready = engine.stats()
+    assert ready.compiled_graphs > 0 and ready.recompiles_since_ready == 0
+    _add(engine, "a", prompt="a red circle", height=48, width=48, n=3, num_inference_steps=2, seed=1)
+    _add(engine, "b", prompt="a blue square", height=16, width=16, num_inference_steps=2, seed=2)
+    done = _run(engine)
+    assert sorted(done) == ["a", "b"] and all(o.error is None for o in done.values())
+    assert engine.stats().recompiles_since_ready == 0

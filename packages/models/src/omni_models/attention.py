@@ -8,10 +8,10 @@ forward without changing any real token's result (a joint text+image layer puts 
 that each row's padding is a tail).
 
 Backends, tried in order (the first whose ``supports`` accepts the call runs it):
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` without a mask, on CUDA with cuDNN's kernel
-  tried first (``CUDA_SDPA_ORDER``: the fastest exact one on H100/H200 at DiT shapes); a ragged batch runs one
-  unmasked call per group of rows with equal length, on views of the rows' leading positions (no copy of Q, K or
-  V when a group's rows are adjacent), rather than one masked call (a mask would rule cuDNN and flash out).
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` without a mask, so on CUDA torch's dispatcher
+  can pick cuDNN (the fastest on H100/H200 at DiT shapes); a ragged batch runs one unmasked call per group of
+  rows with equal length, on views of the rows' leading positions (no copy of Q, K or V when a group's rows
+  are adjacent), rather than one masked call (a mask would rule cuDNN and flash out).
 A faster omni kernel slots in by adding an ``AttentionBackend`` ahead of it in ``BACKENDS``.
 """
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass(frozen=True)
@@ -47,26 +46,9 @@ class AttentionBackend:
     run: Callable[[Tensor, Tensor, Tensor, RowLengths | None], Tensor]
 
 
-# On CUDA, SDPA tries its backends in this order (each declines what it cannot run, and the next is tried): cuDNN's
-# fused attention first, measured the fastest exact kernel on the H100/H200 at the families' shapes (about 600
-# TFLOP/s against flash's 350 at 24 heads x 128, benchmarks/RESULTS.md), where torch's own default order puts flash
-# first. Exact: the same softmax(QK^T)V in bf16, no approximation.
-CUDA_SDPA_ORDER = (
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-)
-
-
 def _sdpa(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Unmasked SDPA over ``[B, S, H, D]`` tensors, in the same transposed layout diffusers' native backend uses."""
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if query.is_cuda:
-        with sdpa_kernel(list(CUDA_SDPA_ORDER), set_priority=True):
-            out = F.scaled_dot_product_attention(q, k, v)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     return out.transpose(1, 2)
 
 

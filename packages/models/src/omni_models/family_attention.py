@@ -171,7 +171,7 @@ def joint_attention(
             .flatten(2, 3)
             .to(text_query.dtype)
         )
-        return out[:, :text_len], out[:, text_len:]
+        return _fresh(out[:, :text_len]), _fresh(out[:, text_len:])
     out = (
         attention(
             torch.cat([image_query, text_query], dim=1),
@@ -182,4 +182,10 @@ def joint_attention(
         .flatten(2, 3)
         .to(text_query.dtype)
     )
-    return out[:, image_len:], out[:, :image_len]
+    return _fresh(out[:, image_len:]), _fresh(out[:, :image_len])
+
+
+def _fresh(x: Tensor) -> Tensor:
+    """A contiguous tensor that is no view: what re-enters a compiled graph from ``joint_attention`` then carries
+    no base tensor whose layout (one per attention path) the graph would guard on and recompile for."""
+    return x.clone(memory_format=torch.contiguous_format)

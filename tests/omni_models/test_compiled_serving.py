@@ -1,0 +1,123 @@
+"""Compiled serving (omni_models.compilation) and the prompt-embedding cache, on the tiny random families.
+
+Compiled with dynamo's ``"eager"`` backend: dynamo traces, guards and counts graphs exactly as it does for
+inductor, without inductor's code generation (minutes on this CPU); the GPU run compiles with inductor
+(benchmarks/serving.py, benchmarks/fast_paths.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omni_models import GenerationRequest, resolve_request
+from omni_models.prompt_cache import PromptEmbeddingCache
+
+pytest.importorskip("diffusers")
+
+
+def _run(pipe, requests: list[tuple[str, int, int]], steps: int = 2) -> list:
+    """(prompt, side, n) requests denoised together (one forward per step for all of them)."""
+    jobs = [
+        job
+        for prompt, side, n in requests
+        for job in pipe.prepare(
+            resolve_request(
+                pipe.info,
+                GenerationRequest(prompt=prompt, height=side, width=side, n=n, num_inference_steps=steps, seed=3),
+            )
+        )
+    ]
+    pipe.start(jobs)
+    while not all(job.finished for job in jobs):
+        pipe.step([job for job in jobs if not job.finished])
+    images = pipe.decode(jobs)
+    pipe.release(jobs)
+    return images
+
+
+def test_prompt_cache_is_an_lru_keyed_by_text_and_settings() -> None:
+    encoded = []
+
+    def encode(text: str) -> str:
+        encoded.append(text)
+        return text.upper()
+
+    cache = PromptEmbeddingCache(2)
+    assert cache.get_or_encode("a", "s", encode) == "A"
+    assert cache.get_or_encode("a", "s", encode) == "A"  # a hit
+    assert cache.get_or_encode("a", "other settings", encode) == "A"  # another key
+    assert cache.get_or_encode("b", "s", encode) == "B"  # evicts ("a", "s"), the least recently used
+    assert cache.get_or_encode("a", "other settings", encode) == "A"
+    assert cache.get_or_encode("a", "s", encode) == "A"
+    assert encoded == ["a", "a", "b", "a"] and (cache.hits, cache.misses, len(cache)) == (2, 4, 2)
+    none = PromptEmbeddingCache(0)
+    none.get_or_encode("a", "s", encode)
+    none.get_or_encode("a", "s", encode)
+    assert len(none) == 0 and encoded[-2:] == ["a", "a"]
+    with pytest.raises(ValueError, match="capacity must be an int >= 0"):
+        PromptEmbeddingCache(-1)
+
+
+def test_a_cached_prompt_skips_the_text_encoders_and_gives_the_same_image(flux_dev_dir, monkeypatch) -> None:
+    import omni_models
+
+    cached = omni_models.load(str(flux_dev_dir), prompt_embed_cache_size=4)
+    plain = omni_models.load(str(flux_dev_dir))
+    calls: list[str] = []
+    encode = cached.backend.encode
+    monkeypatch.setattr(cached.backend, "encode", lambda text: calls.append(text) or encode(text))
+    first = _run(cached, [("a red fox", 32, 1)])
+    again = _run(cached, [("a red fox", 32, 1), ("a blue square", 32, 1)])
+    assert calls == ["a red fox", "a blue square"]  # the repeated prompt was not encoded again
+    reference = _run(plain, [("a red fox", 32, 1)])
+    assert np.array_equal(np.asarray(first[0]), np.asarray(reference[0]))
+    assert np.array_equal(np.asarray(again[0]), np.asarray(reference[0]))
+
+
+def test_compiled_flux_serves_every_size_and_batch_after_warm_up_without_recompiling(flux_dev_dir) -> None:
+    import omni_models
+    from omni_models.compilation import compile_count
+
+    eager = omni_models.load(str(flux_dev_dir))
+    compiled = omni_models.load(str(flux_dev_dir), compile=True, compile_backend="eager")
+    assert compiled.compiled is not None
+    # The engine's warm-up shapes: one row and two rows at a served size.
+    _run(compiled, [("a red fox", 32, 1)], steps=1)
+    _run(compiled, [("a red fox", 32, 2)], steps=1)
+    ready = compile_count()
+    assert ready > 0
+    mixed = [("a dog in the snow at night", 48, 3), ("a cat", 64, 1)]
+    images = _run(compiled, mixed, steps=1)
+    images += _run(compiled, [("red", 16, 4)], steps=1)
+    assert compile_count() == ready  # other sizes, other row counts: nothing compiled again
+    reference = _run(eager, mixed, steps=1) + _run(eager, [("red", 16, 4)], steps=1)
+    for image, expected in zip(images, reference, strict=True):
+        assert np.array_equal(np.asarray(image), np.asarray(expected))
+
+
+def test_compiled_qwen_image_batches_prompts_of_different_lengths_without_recompiling(qwen_image_dir) -> None:
+    import omni_models
+    from omni_models.compilation import compile_count
+
+    compiled = omni_models.load(str(qwen_image_dir), compile=True, compile_backend="eager")
+    _run(compiled, [("a red fox", 16, 1)], steps=1)
+    _run(compiled, [("a red fox", 16, 2)], steps=1)
+    ready = compile_count()
+    # Ragged text rows (different prompt lengths), other counts and sizes: the lengths never enter a graph.
+    _run(compiled, [("a cat", 16, 1), ("a blue square on the left of a red circle", 16, 2)], steps=1)
+    _run(compiled, [("dog", 32, 1)], steps=1)
+    assert compile_count() == ready
+
+
+def test_compile_options_are_checked_before_loading(flux_dev_dir) -> None:
+    import omni_models
+
+    with pytest.raises(ValueError, match="compile cannot be combined with layerwise_offload"):
+        omni_models.load(str(flux_dev_dir), compile=True, layerwise_offload=True)
+    with pytest.raises(ValueError, match="compile_cache_dir keeps compiled graphs, so it needs compile=True"):
+        omni_models.load(str(flux_dev_dir), compile_cache_dir="/tmp/x")
+    with pytest.raises(ValueError, match="compile_backend must be one of"):
+        omni_models.load(str(flux_dev_dir), compile=True, compile_backend="tensorrt")
+    with pytest.raises(ValueError, match="compile: a causal-prefix DiT compiles to CUDA graphs"):
+        omni_models.load("omni-shapes-tiny", compile=True)
