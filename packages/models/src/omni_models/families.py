@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
     from fp8_cache import QuantizationReport
     from omni_models.parallel import ParallelState
+    from omni_models.step_cache_blocks import JobStepCache, TransformerBlockCache
 
 ComponentKind = Literal["model", "tokenizer", "scheduler"]
 FAMILY_ACCEPTS = (
@@ -64,6 +65,7 @@ FAMILY_ACCEPTS = (
     "true_cfg_scale",
     "n",
     "seed",
+    "cache",
 )
 
 
@@ -172,6 +174,7 @@ class FamilyJob:
     timesteps: Tensor  # float32 [num_steps], CPU, what the transformer sees (x 1/1000)
     step_index: int = 0
     request_id: str | None = field(default=None)
+    step_cache: JobStepCache | None = None  # the request's step cache state (``omni_models.step_cache_blocks``)
 
     @property
     def num_steps(self) -> int:
@@ -326,6 +329,7 @@ class FamilyPipeline:
         self.dtype = dtype
         self.offload = offload
         self.fp8 = fp8
+        self._block_cache: TransformerBlockCache | None = None  # installed by the first step that caches
 
     @property
     def transformer(self) -> nn.Module:
@@ -346,22 +350,56 @@ class FamilyPipeline:
         guided = request.negative_prompt is not None and cfg > 1.0
         conditioning = PromptConditioning(request.prompt, request.negative_prompt if guided else None)
         sigmas, timesteps = self.backend.schedule(request.num_inference_steps, request.height, request.width)
+        if request.cache is not None:
+            self._check_step_cache()
         jobs = []
         for index in range(request.n):
             image = msgspec.structs.replace(request, n=1, seed=request.seed + index)
-            jobs.append(
-                FamilyJob(
-                    request=image,
-                    guidance=guidance,
-                    true_cfg_scale=cfg,
-                    conditioning=conditioning,
-                    latents=self.backend.initial_latents(image.seed, image.height, image.width),
-                    sigmas=sigmas,
-                    timesteps=timesteps,
-                    request_id=request_id,
-                )
+            job = FamilyJob(
+                request=image,
+                guidance=guidance,
+                true_cfg_scale=cfg,
+                conditioning=conditioning,
+                latents=self.backend.initial_latents(image.seed, image.height, image.width),
+                sigmas=sigmas,
+                timesteps=timesteps,
+                request_id=request_id,
             )
+            if request.cache is not None:
+                from omni_models.step_cache_blocks import JobStepCache
+
+                job.step_cache = JobStepCache.create(
+                    request.cache,
+                    num_blocks=self.info.transformer_blocks,
+                    num_steps=job.num_steps,
+                    num_rows=job.num_rows,
+                )
+            jobs.append(job)
         return jobs
+
+    def _check_step_cache(self) -> None:
+        from omni_models.errors import InvalidRequestError
+
+        if getattr(self.backend, "state", None) is not None:  # omni_models.family_parallel.ParallelFamilyBackend
+            raise InvalidRequestError(
+                'a step cache is not available with CFG-parallel or sequence-parallel serving yet; use "off"',
+                param="cache",
+            )
+
+    def step_cache_bytes(self, job: FamilyJob) -> int:
+        """The most memory ``job``'s step cache holds (per row: the image and text streams' residuals and
+        differences, the first blocks' residual); 0 without one."""
+        if job.step_cache is None:
+            return 0
+        from omni_models.step_cache_blocks import JobStepCache
+
+        config = self.transformer.config
+        width = config.num_attention_heads * config.attention_head_dim  # both families' stream width
+        latent_h, latent_w = self.backend.latent_size(*job.size)
+        image_tokens = (latent_h // 2) * (latent_w // 2)
+        text_tokens = self.info.image.max_prompt_tokens
+        streams = [(image_tokens * width, text_tokens * width)] * job.num_rows
+        return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     @torch.no_grad()
     def start(self, jobs: Sequence[FamilyJob]) -> None:
@@ -403,14 +441,16 @@ class FamilyPipeline:
         for job in jobs:
             by_size[job.size].append(job)
         for (height, width), group in by_size.items():
-            rows = []
+            rows, caches = [], []
             for job in group:
                 conditioning = job.conditioning
                 timestep = job.timesteps[job.step_index]
                 rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance))
+                caches.append((job.step_cache, 0, job.step_index))
                 if job.guided:
                     rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance))
-            velocities = iter(self.backend.forward(rows, height, width))
+                    caches.append((job.step_cache, 1, job.step_index))
+            velocities = iter(self._forward(rows, caches, height, width))
             for job in group:
                 velocity = next(velocities)
                 if job.guided:
@@ -418,6 +458,20 @@ class FamilyPipeline:
                 i = job.step_index
                 job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
                 job.step_index += 1
+
+    def _forward(self, rows: list[DenoiseRow], caches: list, height: int, width: int) -> Tensor:
+        """The backend's forward of ``rows``; rows whose job has a step cache skip the middle blocks on the steps
+        their policy caches (``omni_models.step_cache_blocks``)."""
+        if all(cache is None for cache, _, _ in caches):
+            return self.backend.forward(rows, height, width)
+        from omni_models.step_cache_blocks import BatchedRows, CachedForward, TransformerBlockCache, row_slots
+
+        if self._block_cache is None:
+            self._block_cache = TransformerBlockCache(self.transformer, self.backend.block_lists)
+        text = {1: [row.text.tokens.shape[0] for row in rows]}
+        run = CachedForward(row_slots(caches), self._block_cache.num_blocks, BatchedRows(len(rows), text))
+        with self._block_cache.forward(run):
+            return self.backend.forward(rows, height, width)
 
     @torch.no_grad()
     def decode(self, jobs: Sequence[FamilyJob]) -> list[Image.Image]:
@@ -436,9 +490,11 @@ class FamilyPipeline:
         return images  # type: ignore[return-value]
 
     def release(self, jobs: Sequence[FamilyJob]) -> None:
-        """Drop the jobs' text embeddings (the request's conditioning is shared by its jobs)."""
+        """Drop the jobs' text embeddings (the request's conditioning is shared by its jobs) and step caches."""
         for job in jobs:
             job.conditioning.cond = job.conditioning.uncond = None
+            if job.step_cache is not None:
+                job.step_cache.release()
 
     def close(self) -> None:
         """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 AttentionBackend = Literal["paged", "dense"]
 CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
 _PRIVATE_REQUEST_ID = "private-pool"  # the one request a private pool's row table holds
-DIT_ACCEPTS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed")
+DIT_ACCEPTS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed", "cache")
 
 
 def dit_info(config: DiTConfig, vocabulary: Sequence[str], name: str) -> ModelInfo:
@@ -74,6 +74,7 @@ def dit_info(config: DiTConfig, vocabulary: Sequence[str], name: str) -> ModelIn
         ),
         vocabulary=tuple(vocabulary),
         paged_kv=True,
+        transformer_blocks=config.depth,
     )
 
 

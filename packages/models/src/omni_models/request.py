@@ -14,6 +14,9 @@ What the fields mean, for every model kind:
 - ``negative_prompt``: unset means the model's default negative prompt; ``None`` means none.
 - image ``i`` of a request uses seed ``seed + i``.
 - music: ``prompt`` is the caption, ``lyrics`` the structure-tagged lyrics, ``max_new_tokens`` a cap on frames.
+- ``cache``: the request's step cache (``omni_models.step_cache``): a preset name (``"off"``, ``"safe"``,
+  ``"fast"``) or an object of knobs; unset: the caller's default (the server's ``--step-cache``). Resolved to a
+  ``StepCacheConfig``, or None when off.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import msgspec
 from omni_models.errors import InvalidRequestError
 from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_SEED, draw_seed
 from omni_models.spec import ModelInfo
+from omni_models.step_cache import OFF, StepCacheConfig, parse_step_cache
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -44,6 +48,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     seed: int | None = None
     lyrics: str | None = None
     max_new_tokens: int | None = None
+    cache: str | dict[str, Any] | None = None
 
 
 class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +66,7 @@ class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     lyrics: str | None = None
     max_new_tokens: int | None = None
+    cache: StepCacheConfig | None = None  # None: no step cache
 
 
 # The request fields ``ModelInfo.accepts`` names, and the attribute each is set through (``size``: two).
@@ -73,6 +79,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "true_cfg_scale": ("true_cfg_scale",),
     "lyrics": ("lyrics",),
     "max_new_tokens": ("max_new_tokens",),
+    "cache": ("cache",),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1}
 
@@ -121,12 +128,17 @@ def _seed(value: Any, n: int, max_seed: int, rng: random.Random | None) -> int:
 
 
 def resolve_request(
-    info: ModelInfo, request: GenerationRequest, *, rng: random.Random | None = None
+    info: ModelInfo,
+    request: GenerationRequest,
+    *,
+    rng: random.Random | None = None,
+    default_cache: StepCacheConfig = OFF,
 ) -> ResolvedRequest:
     """Check ``request`` against ``info`` and the limits table; fill every default; draw the seed if unset.
 
     Raises ``InvalidRequestError`` whose ``param`` names the field (``size`` for height and width) and changes
-    nothing. ``rng``: the stream a request without a seed draws from (default: system entropy).
+    nothing. ``rng``: the stream a request without a seed draws from (default: system entropy);
+    ``default_cache``: the step cache of a request that names none (the server's ``--step-cache``).
     """
     for field in _FIELD_ATTRIBUTES:
         if field not in info.accepts and _given(request, field):
@@ -157,6 +169,11 @@ def resolve_request(
         else _text(negative, "negative_prompt", required=False)
     )
     guidance, true_cfg = _guidance(info, request)
+    cache = None
+    if "cache" in info.accepts:
+        cache = parse_step_cache(
+            request.cache, num_blocks=info.transformer_blocks, num_steps=steps, default=default_cache
+        )
     return ResolvedRequest(
         prompt=prompt,
         negative_prompt=negative,
@@ -167,6 +184,7 @@ def resolve_request(
         guidance_scale=guidance,
         true_cfg_scale=true_cfg,
         seed=_seed(request.seed, n, MAX_SEED, rng),
+        cache=cache if cache is not None and cache.enabled else None,
     )
 
 
