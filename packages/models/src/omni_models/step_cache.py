@@ -14,8 +14,8 @@ Methods (``StepCacheConfig.method``):
 - ``"mask"``: a static step mask, a named preset or the list of step indices that compute.
 
 Guards common to both: the first ``warmup_steps`` compute; a step computes when the job has cached
-``max_consecutive_cached`` steps in a row or ``max_cached_steps`` in all; the last step computes only if
-``compute_last_step``.
+``max_consecutive_cached`` steps in a row or ``max_cached_steps`` in all; with ``compute_last_step`` the last
+step always computes.
 
 A job's rows (cond and uncond under CFG) decide together: the job's change is the sum of its rows' numerators
 over the sum of their denominators. This module is the policy: plain numbers, no tensors (``omni_models.request``
@@ -104,24 +104,24 @@ def _from_knobs(base: StepCacheConfig, knobs: Mapping[str, Any], where: str) -> 
     try:
         return msgspec.convert(merged, StepCacheConfig, strict=True)
     except msgspec.ValidationError as exc:
-        # msgspec names the knob as a path ("... - at `$.threshold`"): say it as the request's field.
-        text = str(exc)
-        for knob in KNOBS:
-            text = text.replace(f"`$.{knob}", f"`{where}.{knob}")
-        raise _invalid(f"{where}: {text}") from None
+        # msgspec names the knob as a path ("Expected `float` <= 10.0 - at `$.threshold`"): say it as the field.
+        text, _, path = str(exc).partition(" - at `$")
+        knob = path.rstrip("`").lstrip(".").split("[")[0]
+        raise _invalid(f"{where}.{knob}: {text}" if knob else f"{where}: {text}") from None
 
 
 def parse_step_cache(
     value: Any,
     *,
-    num_blocks: int,
-    num_steps: int,
+    num_blocks: int | None,
+    num_steps: int | None,
     default: StepCacheConfig = OFF,
     where: str = PARAM,
 ) -> StepCacheConfig:
     """``value`` (None: ``default``; a preset name; an object of knobs over the ``residual`` defaults, or over the
     preset it names as ``{"preset": "fast", ...}``) as a config checked for a model of ``num_blocks`` repeated
-    blocks and a request of ``num_steps`` steps. ``InvalidRequestError(param="cache")`` names the knob."""
+    blocks and a request of ``num_steps`` steps (None: not checked against that).
+    ``InvalidRequestError(param="cache")`` names the knob."""
     if value is None:
         config = default
     elif isinstance(value, str):
@@ -142,14 +142,16 @@ def parse_step_cache(
     return config
 
 
-def check_config(config: StepCacheConfig, *, num_blocks: int, num_steps: int, where: str = PARAM) -> None:
-    """The rules between knobs and against the model and the request (``InvalidRequestError`` naming the knob)."""
+def check_config(config: StepCacheConfig, *, num_blocks: int | None, num_steps: int | None, where: str = PARAM) -> None:
+    """The rules between knobs and against the model's ``num_blocks`` and the request's ``num_steps`` (None: that
+    check is left out); ``InvalidRequestError`` naming the knob."""
     if not config.enabled:
         return
-    if num_blocks < 1:
+    if num_blocks is None:
+        pass
+    elif num_blocks < 1:
         raise _invalid(f'{where}: this model has no repeated blocks to cache; use "off"')
-    middle = num_blocks - config.first_blocks - config.last_blocks
-    if middle < 1:
+    elif num_blocks - config.first_blocks - config.last_blocks < 1:
         raise _invalid(
             f"{where}.first_blocks + {where}.last_blocks = {config.first_blocks + config.last_blocks} leaves no "
             f"middle block to cache of the model's {num_blocks}; their sum must be at most {num_blocks - 1}"
@@ -162,12 +164,21 @@ def check_config(config: StepCacheConfig, *, num_blocks: int, num_steps: int, wh
     if config.method == "mask":
         if config.mask is None:
             raise _invalid(f'{where}.mask is required for method "mask": a preset (medium, fast, ultra) or steps')
-        if not isinstance(config.mask, str):
+        if not isinstance(config.mask, str) and num_steps is not None:
             bad = [step for step in config.mask if step >= num_steps]
             if bad:
                 raise _invalid(
                     f"{where}.mask names step(s) {bad} of a {num_steps}-step request (steps 0..{num_steps - 1})"
                 )
+
+
+def server_default(preset: str, knobs: Mapping[str, Any] | None, *, where: str) -> StepCacheConfig:
+    """A server's default step cache: ``preset``, with ``knobs`` over it (over the ``residual`` defaults when the
+    preset is ``off``, so knobs alone name a config), checked without a model."""
+    if not knobs:
+        return parse_step_cache(preset, num_blocks=None, num_steps=None, where=where)
+    value = {**knobs} if preset == "off" else {"preset": preset, **knobs}
+    return parse_step_cache(value, num_blocks=None, num_steps=None, where=where)
 
 
 def mask_computes(mask: MaskPreset | Sequence[int], step: int, warmup_steps: int) -> bool:
@@ -287,5 +298,6 @@ __all__ = [
     "parse_step_cache",
     "preset_table",
     "relative_change",
+    "server_default",
     "stats_of",
 ]

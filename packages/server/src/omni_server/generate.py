@@ -33,6 +33,7 @@ REQUEST_FLAGS = {
     "seed": "--image-seed",
     "lyrics": "--lyrics",
     "max_new_tokens": "--max-new-tokens",
+    "cache": "--step-cache",
 }
 SMALL_SIDE = 128  # below this, generate says how to write the image larger
 
@@ -93,7 +94,7 @@ def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) ->
         max_new_tokens=args.max_new_tokens,
     )
     try:
-        return resolve_request(info, request)
+        return resolve_request(info, request, default_cache=config.default_step_cache())
     except InvalidRequestError as exc:
         raise GenerateError(f"{REQUEST_FLAGS.get(exc.param, exc.param)}: {exc}") from None
 
