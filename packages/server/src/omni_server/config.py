@@ -216,6 +216,17 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             metavar="JSON",
         ),
     ] = None
+    step_cache_memory_bytes: Annotated[
+        int,
+        setting(
+            "most memory the step caches of admitted requests may hold together, e.g. 4G; a request waits until "
+            "its cache fits, and one that never fits fails at once",
+            group="StepCacheConfig",
+            parse="human_int",
+            metavar="BYTES",
+            ge=1,
+        ),
+    ] = 4 * 2**30
     # Frontend
     served_model_name: Annotated[
         Annotated[str, Meta(min_length=1)] | None,
