@@ -350,8 +350,6 @@ class FamilyPipeline:
         guided = request.negative_prompt is not None and cfg > 1.0
         conditioning = PromptConditioning(request.prompt, request.negative_prompt if guided else None)
         sigmas, timesteps = self.backend.schedule(request.num_inference_steps, request.height, request.width)
-        if request.cache is not None:
-            self._check_step_cache()
         jobs = []
         for index in range(request.n):
             image = msgspec.structs.replace(request, n=1, seed=request.seed + index)
@@ -376,15 +374,6 @@ class FamilyPipeline:
                 )
             jobs.append(job)
         return jobs
-
-    def _check_step_cache(self) -> None:
-        from omni_models.errors import InvalidRequestError
-
-        if getattr(self.backend, "state", None) is not None:  # omni_models.family_parallel.ParallelFamilyBackend
-            raise InvalidRequestError(
-                'a step cache is not available with CFG-parallel or sequence-parallel serving yet; use "off"',
-                param="cache",
-            )
 
     def step_cache_bytes(self, job: FamilyJob) -> int:
         """The most memory ``job``'s step cache holds (per row: the image and text streams' residuals and
@@ -464,13 +453,16 @@ class FamilyPipeline:
         their policy caches (``omni_models.step_cache_blocks``)."""
         if all(cache is None for cache, _, _ in caches):
             return self.backend.forward(rows, height, width)
-        from omni_models.step_cache_blocks import BatchedRows, CachedForward, TransformerBlockCache, row_slots
+        from omni_models.step_cache_blocks import StepCachePlan, TransformerBlockCache, row_slots
 
         if self._block_cache is None:
             self._block_cache = TransformerBlockCache(self.transformer, self.backend.block_lists)
-        text = {1: [row.text.tokens.shape[0] for row in rows]}
-        run = CachedForward(row_slots(caches), self._block_cache.num_blocks, BatchedRows(len(rows), text))
-        with self._block_cache.forward(run):
+        lengths = [row.text.tokens.shape[0] for row in rows]
+        plan = StepCachePlan(row_slots(caches), None if len(set(lengths)) == 1 else lengths, self._block_cache)
+        forward_with_cache = getattr(self.backend, "forward_with_cache", None)  # several ranks
+        if forward_with_cache is not None:
+            return forward_with_cache(rows, height, width, plan)
+        with plan.forward(range(len(rows))):
             return self.backend.forward(rows, height, width)
 
     @torch.no_grad()

@@ -200,11 +200,25 @@ def _velocity(model: CausalPrefixDiT, plan: _StepPlan, patches: Tensor, times: T
     return model.final_layer(target, cond, plan.row_ids).float()
 
 
+def cached_jobs(batch: Sequence[ScheduledJob]) -> list:
+    """The step caches of ``batch``'s jobs, in batch order (the same on every rank)."""
+    return [scheduled.job.step_cache for scheduled in batch if scheduled.job.step_cache is not None]
+
+
 def _cached_velocity(
-    model: CausalPrefixDiT, kv: PagedKV, rows: Sequence[RowRef], plan: _StepPlan, patches: Tensor, times: Tensor
+    model: CausalPrefixDiT,
+    kv: PagedKV,
+    rows: Sequence[RowRef],
+    plan: _StepPlan,
+    patches: Tensor,
+    times: Tensor,
+    *,
+    reduce=None,
+    jobs=None,
 ) -> Tensor:
     """``_velocity`` with the rows' step caches: each block runs on the rows that compute it (a host read per
-    decision boundary, so no CUDA graph)."""
+    decision boundary, so no CUDA graph). ``reduce``/``jobs``: a rank's share of a multi-rank forward
+    (``step_cache_blocks.CachedForward``)."""
     from omni_models.step_cache_blocks import CachedForward, FlatRows, row_slots
 
     index_in_job: dict[int, int] = {}
@@ -214,7 +228,7 @@ def _cached_velocity(
         index_in_job[id(ref.job)] = position + 1
         slots.append((ref.job.step_cache, position, ref.job.step_index))
     layout = FlatRows([ref.row.target_len for ref in rows], kv.device)
-    run = CachedForward(row_slots(slots), len(model.blocks), layout)
+    run = CachedForward(row_slots(slots), len(model.blocks), layout, reduce=reduce, jobs=jobs)
     subsets: dict[tuple[int, ...], tuple[_LayerAttention, Tensor]] = {}
 
     def subset(computing: Tensor) -> tuple[_LayerAttention, Tensor]:

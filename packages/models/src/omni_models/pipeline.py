@@ -155,9 +155,9 @@ class Pipeline:
         rows = tuple(GenerationRow(role, tuple(ids), target_len) for role, ids in rows_ids)
         times = tuple(euler_times(request.num_inference_steps).tolist())
         shape = (self.model.config.in_channels, request.height, request.width)
-        if request.cache is not None and self.parallel is not None:
+        if request.cache is not None and self.parallel is not None and self.parallel.sp_size > 1:
             raise InvalidRequestError(
-                'a step cache is not available with CFG-parallel or sequence-parallel serving yet; use "off"',
+                'the shipped DiT\'s step cache is not available with sequence parallelism yet; use "off"',
                 param="cache",
             )
         jobs = []

@@ -211,26 +211,41 @@ class RowSlot:
     step: int
 
 
-Reduce = Callable[[Tensor], Tensor]  # [rows, 2] partial sums -> the same summed over the ranks that share rows
+Reduce = Callable[[Tensor], Tensor]  # [jobs, 2] partial sums -> the same summed over every rank of the forward
 
 
 class CachedForward:
     """The step cache inside one forward (see the module docstring). ``slots[r]`` is None for a row that does not
-    cache. ``reduce`` (several ranks) sums each row's partial numerator and denominator over the ranks, so every
-    rank takes the same decision."""
+    cache.
+
+    Several ranks (CFG-parallel rows, sequence-parallel token slices): ``jobs`` lists every caching job of the whole
+    forward in the same order on every rank, and ``reduce`` sums each deciding job's partial numerator and
+    denominator over the ranks (one collective per decision boundary, on every rank), so every rank takes every
+    job's decision and records it, whether or not it holds the job's rows. A rank without rows in the forward calls
+    ``idle()``.
+    """
 
     def __init__(
-        self, slots: Sequence[RowSlot | None], num_blocks: int, layout: RowLayout, reduce: Reduce | None = None
+        self,
+        slots: Sequence[RowSlot | None],
+        num_blocks: int,
+        layout: RowLayout | None,
+        *,
+        reduce: Reduce | None = None,
+        jobs: Sequence[JobStepCache] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.slots = list(slots)
         self.num_blocks = num_blocks
         self.layout = layout
         self.reduce = reduce
+        self.jobs = (
+            list(jobs) if jobs is not None else list({id(s.job): s.job for s in self.slots if s is not None}.values())
+        )
+        self._device = device
         self._input: Tensor | None = None
         self._middle_start: dict[int, list[Tensor]] = {}
-        self._device: torch.device | None = None
-        self._computing: dict[int, Tensor | None] = {}
-        self.jobs = list({id(s.job): s.job for s in self.slots if s is not None}.values())
+        self._computing: dict[tuple[int, ...], Tensor | None] = {}
         for job in self.jobs:
             job.pending, job.pending_diff = None, None
 
@@ -259,51 +274,60 @@ class CachedForward:
             self._device = streams[0].device
         if index == 0:
             self._input = streams[0]
-        deciding = [r for r, s in enumerate(self.slots) if s is not None and s.job.first == index]
-        if deciding:
-            self._decide(deciding, streams)
+        if any(job.first == index for job in self.jobs):
+            self._decide(index, streams)
         ending = [r for r, s in enumerate(self.slots) if s is not None and s.job.end == index]
         if ending:
             streams = self._end_middle(ending, streams)
         return streams
+
+    def idle(self) -> None:
+        """A rank with no rows in this forward: take part in every decision (and record it) all the same."""
+        for index in sorted({job.first for job in self.jobs}):
+            self._decide(index, None)
+        self.finish()
 
     def finish(self) -> None:
         """Record every job's decision for this step (call after the forward's last block ran)."""
         for job in self.jobs:
             job.finish_step()
 
-    def _decide(self, rows: list[int], streams: list[Tensor]) -> None:
+    def _decide(self, index: int, streams: list[Tensor] | None) -> None:
         layout, slots = self.layout, self.slots
-        probed = [r for r in rows if needs_probe(slots[r].job.config)]
-        measured: dict[int, tuple[float, float]] = {}
+        deciding = [job for job in self.jobs if job.first == index]
+        local: dict[int, list[int]] = {id(job): [] for job in deciding}
+        for r, slot in enumerate(slots):
+            if slot is not None and id(slot.job) in local:
+                local[id(slot.job)].append(r)
+        probed = [job for job in deciding if needs_probe(job.config)]
         probes: dict[int, Tensor] = {}
+        measured: dict[int, tuple[float, float]] = {}
         if probed:
             sums = []
-            for r in probed:
-                probe = layout.view(streams[0], r) - layout.view(self._input, r)
-                probes[r] = probe
-                previous = slots[r].job.rows[slots[r].row].probe
-                if previous is None:
-                    sums.append(torch.stack([probe.new_tensor(math.inf), probe.new_tensor(1.0)]).float())
-                else:
-                    sums.append(torch.stack([(probe - previous).abs().sum(), previous.abs().sum()]).float())
+            for job in probed:
+                total = torch.zeros(2, dtype=torch.float32, device=self._device)
+                for r in local[id(job)]:
+                    probe = layout.view(streams[0], r) - layout.view(self._input, r)
+                    probes[r] = probe
+                    previous = job.rows[slots[r].row].probe
+                    if previous is not None:
+                        total = total + torch.stack([(probe - previous).abs().sum(), previous.abs().sum()]).float()
+                sums.append(total)
             stacked = torch.stack(sums)
             if self.reduce is not None:
                 stacked = self.reduce(stacked)
-            for r, (num, den) in zip(probed, stacked.tolist(), strict=True):
-                measured[r] = (num, den)
-        by_job: dict[int, list[int]] = {}
-        for r in rows:
-            by_job.setdefault(id(slots[r].job), []).append(r)
-        for job_rows in by_job.values():
-            job, step = slots[job_rows[0]].job, slots[job_rows[0]].step
+            for job, (num, den) in zip(probed, stacked.tolist(), strict=True):
+                measured[id(job)] = (num, den)
+        for job in deciding:
             diff = None
-            if all(r in measured for r in job_rows):
-                diff = relative_change([measured[r][0] for r in job_rows], [measured[r][1] for r in job_rows])
+            if id(job) in measured:
+                numerator, denominator = measured[id(job)]
+                diff = relative_change([numerator], [denominator])
+            step = len(job.decisions.computed)  # every step of a job is decided once, in order
             job.pending = decide(job.config, job.decisions, step, diff)
             job.pending_diff = diff
             if job.pending:
-                for r in job_rows:
+                for r in local[id(job)]:
                     if r in probes:
                         job.rows[slots[r].row].probe = probes[r]
                     self._middle_start[r] = [layout.view(s, r, i) for i, s in enumerate(streams)]
@@ -421,6 +445,45 @@ class TransformerBlockCache:
         run.finish()
 
 
+@dataclass
+class StepCachePlan:
+    """The step caches of one family forward's rows (``slots``, every row of the forward) over a transformer's
+    ``blocks``; a rank runs it on its share of the rows (``forward``) or on none (``idle``)."""
+
+    slots: list[RowSlot | None]
+    text_lengths: list[int] | None  # per row, where rows' text is ragged (Qwen-Image); None: all the same
+    blocks: TransformerBlockCache
+
+    @property
+    def jobs(self) -> list[JobStepCache]:
+        return list({id(s.job): s.job for s in self.slots if s is not None}.values())
+
+    @contextlib.contextmanager
+    def forward(self, indices: Sequence[int], reduce: Reduce | None = None) -> Iterator[CachedForward]:
+        """The transformer's forwards inside this block run the cache of rows ``indices`` (in that order)."""
+        local = [self.slots[i] for i in indices]
+        lengths = None if self.text_lengths is None else {1: [self.text_lengths[i] for i in indices]}
+        run = CachedForward(
+            local, self.blocks.num_blocks, BatchedRows(len(local), lengths), reduce=reduce, jobs=self.jobs
+        )
+        with self.blocks.forward(run):
+            yield run
+
+    def idle(self, reduce: Reduce | None, device: torch.device) -> None:
+        CachedForward([], self.blocks.num_blocks, None, reduce=reduce, jobs=self.jobs, device=device).idle()
+
+
+def all_reduce_sum(group: Any = None) -> Reduce:
+    """The ``reduce`` of a forward spread over the ranks of ``group`` (default: WORLD, every rank of a request)."""
+    import torch.distributed as dist
+
+    def reduce(sums: Tensor) -> Tensor:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        return sums
+
+    return reduce
+
+
 def row_slots(caches: Sequence[tuple[JobStepCache | None, int, int]]) -> list[RowSlot | None]:
     """``(job cache or None, row index in its job, the job's step)`` per row -> the forward's slots."""
     return [None if cache is None else RowSlot(cache, row, step) for cache, row, step in caches]
@@ -434,6 +497,8 @@ __all__ = [
     "JobStepCache",
     "RowCache",
     "RowSlot",
+    "StepCachePlan",
     "TransformerBlockCache",
+    "all_reduce_sum",
     "row_slots",
 ]
