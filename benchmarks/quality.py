@@ -1,7 +1,7 @@
 """Image quality of one serving configuration against a reference configuration, on the shapes world.
 
     python benchmarks/quality.py MODEL [--quantization fp8] [--fp8-cache-dir DIR] [--enable-layerwise-offload]
-        [--steps N] [--guidance-scale G] [--num-scenes N] [--device cpu|cuda] [--out DIR]
+        [--cache PRESET_OR_JSON ...] [--steps N] [--guidance-scale G] [--num-scenes N] [--device cpu|cuda] [--out DIR]
 
 MODEL is anything ``omni_models.load`` resolves whose images show the shapes world: the shipped
 ``omni-shapes-tiny`` (32x32, causal-prefix DiT) or a diffusers FLUX.1 checkpoint such as
@@ -12,7 +12,12 @@ captions, scene i from noise seed ``--seed + i``, with the same steps and guidan
 
 - reference: the model in the device's default dtype (fp32 on CPU, bf16 on CUDA), no FP8, no offload;
 - candidate: the same plus the serving options given (FP8 online, FP8 from ``--fp8-cache-dir``: the cache is
-  filled first if cold and the images come from a warm load; layerwise offload).
+  filled first if cold and the images come from a warm load; layerwise offload);
+- with ``--cache`` (repeatable: a preset name or a JSON object of knobs, as a request's ``cache`` field), one
+  candidate per step cache, on the reference's loaded model. Both configurations then run through the stepwise
+  contract (``prepare``/``start``/``step``/``decode``, one request per scene, the scenes of a batch in one forward,
+  as the server runs them), and each candidate also reports its computed-step fraction and the fraction of
+  repeated-block evaluations it ran (the FLOP fraction of the blocks, from the jobs' ``StepCacheStats``).
 
 It reports, for each configuration, prompt adherence read back from pixels by ``training.scorer`` (images of
 another size are box-downsampled to the scorer's 32x32 first), and for the candidate the PSNR and SSIM of each
@@ -52,11 +57,14 @@ class ServingOptions:
     quantization: str | None = None
     fp8_cache_dir: str | None = None
     layerwise_offload: bool = False
+    cache: str | None = None  # a step cache: a preset name or a JSON object of knobs
 
     def label(self) -> str:
         parts = ([f"fp8 ({'cache' if self.fp8_cache_dir else 'online'})"] if self.quantization else []) + (
             ["layerwise offload"] if self.layerwise_offload else []
         )
+        if self.cache is not None:
+            parts.append(f"cache {self.cache}")
         return ", ".join(parts) or "reference"
 
 
@@ -69,6 +77,7 @@ class Run:
     load_s: float
     generate_s: float
     adherence: dict[str, float]
+    step_cache: list[Any] | None = None  # one StepCacheStats per image (a step-cache candidate)
 
 
 def native_side(model: str) -> int:
@@ -162,8 +171,63 @@ def generate(
     return images
 
 
+def cache_value(text: str | None) -> Any:
+    """``--cache`` as a request's ``cache`` field: a preset name, or the object a JSON text holds."""
+    if text is None or not text.lstrip().startswith("{"):
+        return text
+    return json.loads(text)
+
+
+def generate_stepwise(
+    pipe: Any,
+    prompts: list[str],
+    *,
+    seed: int,
+    steps: int | None,
+    guidance: float | None,
+    size: int,
+    batch_size: int,
+    cache: str | None,
+) -> tuple[list[Image.Image], list[Any]]:
+    """Scene i as its own request (seed ``seed + i``, no negative prompt, ``cache``), ``batch_size`` requests per
+    forward through the stepwise contract; the images and each image's ``StepCacheStats`` (None without a cache)."""
+    from omni_models import GenerationRequest, resolve_request
+
+    images: list[Image.Image] = []
+    stats: list[Any] = []
+    for start in range(0, len(prompts), batch_size):
+        jobs = []
+        for index, prompt in enumerate(prompts[start : start + batch_size]):
+            request = GenerationRequest(
+                prompt=prompt,
+                negative_prompt=None,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                seed=seed + start + index,
+                height=size,
+                width=size,
+                cache=cache_value(cache),
+            )
+            jobs += pipe.prepare(resolve_request(pipe.info, request))
+        if getattr(pipe.info, "paged_kv", False):
+            pipe.allocate_kv_caches_for(jobs, 16)
+        pipe.start(jobs)
+        while not jobs[0].finished:
+            pipe.step(jobs)
+        images += pipe.decode(jobs)
+        stats += [None if job.step_cache is None else job.step_cache.stats() for job in jobs]
+        pipe.release(jobs)
+    return images, stats
+
+
 def run_configuration(
-    model: str, options: ServingOptions, prompts: list[str], scenes: list, args: argparse.Namespace, size: int
+    model: str,
+    options: ServingOptions,
+    prompts: list[str],
+    scenes: list,
+    args: argparse.Namespace,
+    size: int,
+    loaded: Any = None,
 ) -> Run:
     if options.fp8_cache_dir is not None:  # a cold cache is filled by this load; the images come from a warm one
         fill_start = time.perf_counter()
@@ -173,18 +237,31 @@ def run_configuration(
             flush=True,
         )
     start = time.perf_counter()
-    pipe = load(model, options, device=args.device, dtype=args.dtype)
+    pipe = loaded if loaded is not None else load(model, options, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    images = generate(
-        pipe,
-        prompts,
-        seed=args.seed,
-        steps=args.steps,
-        guidance=args.guidance_scale,
-        size=size,
-        batch_size=args.batch_size,
-    )
+    stats = None
+    if args.cache:
+        images, stats = generate_stepwise(
+            pipe,
+            prompts,
+            seed=args.seed,
+            steps=args.steps,
+            guidance=args.guidance_scale,
+            size=size,
+            batch_size=args.batch_size,
+            cache=options.cache,
+        )
+    else:
+        images = generate(
+            pipe,
+            prompts,
+            seed=args.seed,
+            steps=args.steps,
+            guidance=args.guidance_scale,
+            size=size,
+            batch_size=args.batch_size,
+        )
     generate_s = time.perf_counter() - start
     scores = adherence(read_scenes(scorer_pixels(images)), scenes)
     print(
@@ -192,7 +269,7 @@ def run_configuration(
         f"attributes {scores['attributes']:.4f}",
         flush=True,
     )
-    return Run(options, images, load_s, generate_s, scores)
+    return Run(options, images, load_s, generate_s, scores, stats)
 
 
 def compare(reference: Run, candidate: Run) -> dict[str, Any]:
@@ -206,7 +283,18 @@ def compare(reference: Run, candidate: Run) -> dict[str, Any]:
     finite = [p for p in psnrs if math.isfinite(p)]
     median = statistics.median(psnrs)
     keys = (*ATTRIBUTES, "attributes", "scene")
+    cache = None
+    if candidate.step_cache is not None:
+        computed = [s.computed_fraction for s in candidate.step_cache]
+        blocks = [s.block_fraction for s in candidate.step_cache]
+        cache = {
+            "computed_step_fraction_mean": statistics.fmean(computed),
+            "block_fraction_mean": statistics.fmean(blocks),
+            "flop_saving_of_blocks": 1 - statistics.fmean(blocks),
+            "decisions": [s.decisions for s in candidate.step_cache],
+        }
     return {  # PSNR None: identical images (JSON has no infinity); the minimum is over the images that differ
+        "step_cache": cache,
         "psnr_db_min": min(finite) if finite else None,
         "psnr_db_median": median if math.isfinite(median) else None,
         "identical_images": len(psnrs) - len(finite),
@@ -221,6 +309,12 @@ def compare(reference: Run, candidate: Run) -> dict[str, Any]:
 
 
 def print_table(reference: Run, candidate: Run, comparison: dict[str, Any]) -> None:
+    cache = comparison["step_cache"]
+    if cache is not None:
+        print(
+            f"{candidate.options.label()}: computed steps {cache['computed_step_fraction_mean']:.3f}, blocks run "
+            f"{cache['block_fraction_mean']:.3f} (FLOP saving of the blocks {cache['flop_saving_of_blocks']:.3f})"
+        )
     keys = ("attributes", *ATTRIBUTES, "scene")
     print(f"{'configuration':28s}" + "".join(f"{k:>12s}" for k in keys) + f"{'generate s':>12s}")
     for run in (reference, candidate):
@@ -249,6 +343,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--fp8-cache-dir", default=None, metavar="DIR")
     parser.add_argument("--enable-layerwise-offload", action="store_true")
+    parser.add_argument(
+        "--cache",
+        action="append",
+        default=[],
+        metavar="PRESET_OR_JSON",
+        help="a step cache to compare (repeatable: one candidate each), e.g. safe, fast or '{\"threshold\": 0.1}'",
+    )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     parser.add_argument("--guidance-scale", type=float, default=None, help="(default: the model's)")
     parser.add_argument("--num-scenes", type=int, default=40, help="first N of the 200 held-out scenes")
@@ -275,13 +376,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scenes = split_scenes()[1][: args.num_scenes]
     prompts = [scene.caption() for scene in scenes]
     size = native_side(args.model)
-    candidate_options = ServingOptions(args.quantization, args.fp8_cache_dir, args.enable_layerwise_offload)
-    if candidate_options == ServingOptions():
-        raise SystemExit("give at least one serving option to compare (--quantization, --enable-layerwise-offload)")
-    reference = run_configuration(args.model, ServingOptions(), prompts, scenes, args, size)
-    candidate = run_configuration(args.model, candidate_options, prompts, scenes, args, size)
-    comparison = compare(reference, candidate)
-    print_table(reference, candidate, comparison)
+    serving = ServingOptions(args.quantization, args.fp8_cache_dir, args.enable_layerwise_offload)
+    if serving == ServingOptions() and not args.cache:
+        raise SystemExit("give at least one option to compare (--quantization, --enable-layerwise-offload, --cache)")
+    if args.cache and serving != ServingOptions():
+        raise SystemExit("--cache candidates run on the reference's model: give --cache without serving options")
+    pipe = load(args.model, ServingOptions(), device=args.device, dtype=args.dtype) if args.cache else None
+    reference = run_configuration(args.model, ServingOptions(), prompts, scenes, args, size, loaded=pipe)
+    candidates = []
+    if args.cache:
+        for value in args.cache:
+            options = ServingOptions(cache=value)
+            candidates.append(run_configuration(args.model, options, prompts, scenes, args, size, loaded=pipe))
+    else:
+        candidates.append(run_configuration(args.model, serving, prompts, scenes, args, size))
+    comparisons = []
+    for candidate in candidates:
+        comparisons.append(compare(reference, candidate))
+        print_table(reference, candidate, comparisons[-1])
+    candidate, comparison = candidates[0], comparisons[0]
     record = {
         "model": args.model,
         "device": args.device,
@@ -299,9 +412,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "load_s": run.load_s,
                 "generate_s": run.generate_s,
             }
-            for run in (reference, candidate)
+            for run in (reference, *candidates)
         },
         "comparison": comparison,
+        "comparisons": {run.options.label(): c for run, c in zip(candidates, comparisons, strict=True)},
     }
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -42,15 +42,25 @@ CASES = {
 }
 
 
-def run_family_jobs(pipe, family: str) -> list[torch.Tensor]:
+# A step cache that skips every step its guards allow (the random models' changes are far below the threshold).
+CACHE = {"threshold": 5.0, "warmup_steps": 1, "taylor_order": 1}
+
+
+def run_family_jobs(pipe, family: str, cache=None) -> list[torch.Tensor]:
+    return run_family_jobs_with_decisions(pipe, family, cache)[0]
+
+
+def run_family_jobs_with_decisions(pipe, family: str, cache=None) -> tuple[list[torch.Tensor], list]:
+    """Final latents per job and each job's step-cache decisions (None without a cache)."""
     from omni_models import GenerationRequest, resolve_request
 
     jobs = [
         job
         for request in CASES[family]
-        for job in pipe.prepare(resolve_request(pipe.info, GenerationRequest(**request)))
+        for job in pipe.prepare(resolve_request(pipe.info, GenerationRequest(**request, cache=cache)))
     ]
     pipe.start(jobs)
     while not all(job.finished for job in jobs):
         pipe.step(jobs)
-    return [job.latents.float().clone() for job in jobs]
+    decisions = [None if job.step_cache is None else job.step_cache.stats().decisions for job in jobs]
+    return [job.latents.float().clone() for job in jobs], decisions

@@ -1,6 +1,7 @@
 """One rank of a multi-rank family forward (run by test_family_parallel.py as real processes over gloo).
 
-argv: MODE CHECKPOINT OUT_DIR; MODE ``{flux,qwen}-{cfg2,sp2}``. Writes ``rank{R}.pt`` (final latents per job) or
+argv: MODE CHECKPOINT OUT_DIR; MODE ``{flux,qwen}-{cfg2,sp2}[-cache]`` (``-cache``: every job with the step cache
+``family_parallel_cases.CACHE``). Writes ``rank{R}.pt`` (final latents per job) or
 ``rank{R}.err``.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from family_parallel_cases import run_family_jobs  # noqa: E402
+from family_parallel_cases import CACHE, run_family_jobs_with_decisions  # noqa: E402
 from rank_process import run_rank  # noqa: E402
 
 
@@ -28,7 +29,10 @@ def main() -> None:
         )
         pipe = omni_models.load(checkpoint, max_sequence_length=16)
         enable_family_parallel(pipe, state)
-        return {"latents": run_family_jobs(pipe, mode.split("-")[0])}
+        latents, decisions = run_family_jobs_with_decisions(
+            pipe, mode.split("-")[0], CACHE if mode.endswith("-cache") else None
+        )
+        return {"latents": latents, "decisions": decisions}
 
     run_rank(out, compute)
 

@@ -1,6 +1,7 @@
 """One rank of a multi-rank paged forward (run by test_parallel.py as N real processes over gloo).
 
-argv: MODE MODEL_DIR OUT_DIR, MODE one of cfg2, sp2, sp2-allgather, cfg2-unguided, sp2-cfg2. Writes
+argv: MODE MODEL_DIR OUT_DIR, MODE one of cfg2, sp2, sp2-allgather, cfg2-unguided, sp2-cfg2, cfg2-cache (every job with
+the step cache ``parallel_cases.CACHE``). Writes
 ``rank{R}.pt`` with every job's final latents, or ``rank{R}.err`` with the error.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_cases import CASES, run_jobs  # noqa: E402
+from parallel_cases import CACHE, CASES, run_jobs  # noqa: E402
 from rank_process import run_rank  # noqa: E402
 
 
@@ -38,9 +39,12 @@ def main() -> None:
         )
         offload = pipeline.offload
         enable_parallel(pipeline, state)
-        latents = run_jobs(pipeline, CASES["unguided" if "unguided" in mode else "mixed"])
+        decisions: list = []
+        cache = CACHE if mode.endswith("-cache") else None
+        latents = run_jobs(pipeline, CASES["unguided" if "unguided" in mode else "mixed"], cache, decisions)
         return {
             "latents": latents,
+            "decisions": decisions,
             "offload_mode": offload.mode if offload else None,
             "host_nbytes": offload.host_nbytes if offload else None,
             "kv_heads": pipeline.kv_caches[0].shape[-2],

@@ -1,5 +1,5 @@
-"""CFG-parallel (FLUX.1, Qwen-Image) and Ulysses SP (FLUX.1) for the diffusers families: two real processes over
-gloo reproduce the one-process latents of a batch holding a true-CFG job and a single-row job."""
+"""CFG-parallel (FLUX.1, Qwen-Image) and Ulysses SP (FLUX.1, with a step cache) for the diffusers families: two real
+processes over gloo reproduce the one-process latents of a batch holding a true-CFG job and a single-row job."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("diffusers")
 sys.path.insert(0, str(Path(__file__).parent))
-from family_parallel_cases import run_family_jobs  # noqa: E402
+from family_parallel_cases import CACHE, run_family_jobs_with_decisions  # noqa: E402
 
 WORKER = Path(__file__).with_name("family_parallel_worker.py")
 
@@ -60,14 +60,20 @@ def _run(mode: str, checkpoint: Path, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2", "qwen-cfg2"])
+@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2-cache", "qwen-cfg2"])
 def test_two_ranks_reproduce_the_family_latents(mode, request, tmp_path) -> None:
+    """``-cache``: every job with a step cache (its computed steps run the whole forward, its cached step the first
+    block on every rank); the SP ranks sum their token slices' changes and take the same decisions as one process."""
     import omni_models
 
     family = mode.split("-")[0]
     checkpoint = request.getfixturevalue("flux_dev_dir" if family == "flux" else "qwen_image_dir")
-    expected = run_family_jobs(omni_models.load(str(checkpoint), max_sequence_length=16), family)
+    cache = CACHE if mode.endswith("-cache") else None
+    pipe = omni_models.load(str(checkpoint), max_sequence_length=16)
+    expected, decisions = run_family_jobs_with_decisions(pipe, family, cache)
     reports = _run(mode, checkpoint, tmp_path)
+    assert all(report["decisions"] == decisions for report in reports)
+    assert cache is None or all("S" in d for d in decisions)
     for rank, report in enumerate(reports):
         for job, (want, got) in enumerate(zip(expected, report["latents"], strict=True)):
             value = _psnr(want, got)

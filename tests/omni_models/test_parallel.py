@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_cases import CASES, run_jobs, write_random_model  # noqa: E402
+from parallel_cases import CACHE, CASES, run_jobs, write_random_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 
@@ -104,6 +104,23 @@ def test_two_ranks_reproduce_the_single_process_latents(mode, cases, model_dir, 
         assert [r["kv_heads"] for r in reports] == [2, 2]  # each rank caches its half of the 4 heads
     if mode == "sp2-allgather":
         assert [r["offload_mode"] for r in reports] == ["allgather", "allgather"]
+
+
+def test_cfg_ranks_agree_on_every_step_cache_decision(model_dir, tmp_path) -> None:
+    """The guided job's cond row runs on CFG rank 0 and its uncond row on rank 1: both ranks sum their rows'
+    changes and take one decision per job, the one process takes too; the latents match it."""
+    from omni_models import load
+
+    decisions: list = []
+    pipeline = load(str(model_dir), device="cpu", dtype=torch.float32)
+    expected = run_jobs(pipeline, CASES["mixed"], CACHE, decisions)
+    assert all("S" in d for d in decisions)
+    reports = run_ranks("cfg2-cache", model_dir, tmp_path)
+    for report in reports:
+        assert report["decisions"] == decisions
+        for want, got in zip(expected, report["latents"], strict=True):
+            assert psnr(want, got) >= 40.0
+    assert all(torch.equal(a, b) for a, b in zip(reports[0]["latents"], reports[1]["latents"], strict=True))
 
 
 def test_heads_not_divisible_by_sp_is_refused_with_the_flag_name() -> None:

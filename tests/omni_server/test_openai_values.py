@@ -105,3 +105,43 @@ def test_the_openai_sdk_generates_and_retrieves(server) -> None:
     assert (model.id, model.object) == ("omni-shapes-tiny", "model") and model.created > 0
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+# --- the step cache (issue 26): a request's cache field, its 400s, the presets, usage and /metrics --------------
+
+
+@pytest.mark.parametrize(
+    ("cache", "needle"),
+    [
+        ("slow", "presets off, safe, fast"),
+        ({"treshold": 0.1}, "unknown knob(s) treshold"),
+        ({"threshold": 11}, "cache.threshold"),
+        ({"first_blocks": 6}, "leaves no middle block"),
+        ([1], "cache"),
+    ],
+)
+def test_a_bad_cache_gets_400_naming_the_field(server, cache, needle: str) -> None:
+    response = _post(server, {"prompt": "a red circle", "cache": cache, "num_inference_steps": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "cache" and needle in error["message"]
+
+
+def test_cache_presets_usage_and_metrics(server, tools) -> None:
+    metric = tools.metric
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert set(model["step_cache_presets"]) == {"off", "safe", "fast"} and "cache" in model["accepts"]
+    assert model["step_cache_presets"]["fast"]["threshold"] > model["step_cache_presets"]["safe"]["threshold"]
+    before = metric(server.metrics(), "omni:step_cache_steps_total", decision="cached")
+    custom = {"preset": "fast", "threshold": 5.0, "warmup_steps": 1}  # skips whenever the guards let it
+    body = {"prompt": "a red circle", "n": 2, "seed": 4, "num_inference_steps": 6, "cache": custom}
+    response = _post(server, body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]["step_cache"]
+    assert [u["decisions"] for u in usage] == ["CSSSCC"] * 2  # warm-up, 3 cached in a row at most, the last step
+    assert usage[0]["computed_steps"] == 3 and usage[0]["block_fraction"] == pytest.approx(1 - 3 * 5 / (6 * 6))
+    assert usage[0]["residual_diffs"][0] is None and all(d >= 0 for d in usage[0]["residual_diffs"][1:])
+    after = metric(server.metrics(), "omni:step_cache_steps_total", decision="cached")
+    assert after - before == 6
+    plain = _post(server, {"prompt": "a red circle", "seed": 4, "num_inference_steps": 6, "cache": "off"})
+    assert "usage" not in plain.json()

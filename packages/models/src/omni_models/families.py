@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from fp8_cache import QuantizationReport
     from omni_models.compilation import CompileSettings
     from omni_models.parallel import ParallelState
+    from omni_models.step_cache_blocks import JobStepCache, TransformerBlockCache
 
 ComponentKind = Literal["model", "tokenizer", "scheduler"]
 FAMILY_ACCEPTS = (
@@ -72,6 +73,7 @@ FAMILY_ACCEPTS = (
     "true_cfg_scale",
     "n",
     "seed",
+    "cache",
 )
 
 
@@ -210,6 +212,7 @@ class FamilyJob:
     step_index: int = 0
     request_id: str | None = field(default=None)
     reference: ReferenceConditioning | None = None  # an edit's input images, shared by the request's jobs
+    step_cache: JobStepCache | None = None  # the request's step cache state (``omni_models.step_cache_blocks``)
 
     @property
     def num_steps(self) -> int:
@@ -406,6 +409,7 @@ class FamilyPipeline:
         self.fp8 = fp8
         self.prompt_cache: PromptEmbeddingCache[TextEmbedding] = PromptEmbeddingCache(prompt_embed_cache_size)
         self.compiled: CompileSettings | None = None
+        self._block_cache: TransformerBlockCache | None = None  # installed by the first step that caches
 
     @property
     def transformer(self) -> nn.Module:
@@ -431,20 +435,43 @@ class FamilyPipeline:
         jobs = []
         for index in range(request.n):
             image = msgspec.structs.replace(request, n=1, seed=request.seed + index)
-            jobs.append(
-                FamilyJob(
-                    request=image,
-                    guidance=guidance,
-                    true_cfg_scale=cfg,
-                    conditioning=conditioning,
-                    latents=self.backend.initial_latents(image.seed, image.height, image.width),
-                    sigmas=sigmas,
-                    timesteps=timesteps,
-                    request_id=request_id,
-                    reference=reference,
-                )
+            job = FamilyJob(
+                request=image,
+                guidance=guidance,
+                true_cfg_scale=cfg,
+                conditioning=conditioning,
+                latents=self.backend.initial_latents(image.seed, image.height, image.width),
+                sigmas=sigmas,
+                timesteps=timesteps,
+                request_id=request_id,
+                reference=reference,
             )
+            if request.cache is not None:
+                from omni_models.step_cache_blocks import JobStepCache
+
+                job.step_cache = JobStepCache.create(
+                    request.cache,
+                    num_blocks=self.info.transformer_blocks,
+                    num_steps=job.num_steps,
+                    num_rows=job.num_rows,
+                )
+            jobs.append(job)
         return jobs
+
+    def step_cache_bytes(self, job: FamilyJob) -> int:
+        """The most memory ``job``'s step cache holds (per row: the image and text streams' residuals and
+        differences, the first blocks' residual); 0 without one."""
+        if job.step_cache is None:
+            return 0
+        from omni_models.step_cache_blocks import JobStepCache
+
+        config = self.transformer.config
+        width = config.num_attention_heads * config.attention_head_dim  # both families' stream width
+        latent_h, latent_w = self.backend.latent_size(*job.size)
+        image_tokens = (latent_h // 2) * (latent_w // 2)
+        text_tokens = self.info.image.max_prompt_tokens
+        streams = [(image_tokens * width, text_tokens * width)] * job.num_rows
+        return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     @torch.no_grad()
     def start(self, jobs: Sequence[FamilyJob]) -> None:
@@ -492,14 +519,16 @@ class FamilyPipeline:
         for job in jobs:
             by_key[job.batch_key].append(job)
         for (height, width, _), group in by_key.items():
-            rows = []
+            rows, caches = [], []
             for job in group:
                 conditioning, reference = job.conditioning, job.reference
                 timestep = job.timesteps[job.step_index]
                 rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance, reference))
+                caches.append((job.step_cache, 0, job.step_index))
                 if job.guided:
                     rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance, reference))
-            velocities = iter(self.backend.forward(rows, height, width))
+                    caches.append((job.step_cache, 1, job.step_index))
+            velocities = iter(self._forward(rows, caches, height, width))
             for job in group:
                 velocity = next(velocities)
                 if job.guided:
@@ -507,6 +536,23 @@ class FamilyPipeline:
                 i = job.step_index
                 job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
                 job.step_index += 1
+
+    def _forward(self, rows: list[DenoiseRow], caches: list, height: int, width: int) -> Tensor:
+        """The backend's forward of ``rows``; rows whose job has a step cache skip the middle blocks on the steps
+        their policy caches (``omni_models.step_cache_blocks``)."""
+        if all(cache is None for cache, _, _ in caches):
+            return self.backend.forward(rows, height, width)
+        from omni_models.step_cache_blocks import StepCachePlan, TransformerBlockCache, row_slots
+
+        if self._block_cache is None:
+            self._block_cache = TransformerBlockCache(self.transformer, self.backend.block_lists)
+        lengths = [row.text.tokens.shape[0] for row in rows]
+        plan = StepCachePlan(row_slots(caches), None if len(set(lengths)) == 1 else lengths, self._block_cache)
+        forward_with_cache = getattr(self.backend, "forward_with_cache", None)  # several ranks
+        if forward_with_cache is not None:
+            return forward_with_cache(rows, height, width, plan)
+        with plan.forward(range(len(rows))):
+            return self.backend.forward(rows, height, width)
 
     @torch.no_grad()
     def decode(self, jobs: Sequence[FamilyJob]) -> list[Image.Image]:
@@ -525,11 +571,13 @@ class FamilyPipeline:
         return images  # type: ignore[return-value]
 
     def release(self, jobs: Sequence[FamilyJob]) -> None:
-        """Drop the jobs' text embeddings and reference latents (shared by the request's jobs)."""
+        """Drop the jobs' text embeddings and reference latents (shared by the request's jobs) and step caches."""
         for job in jobs:
             job.conditioning.cond = job.conditioning.uncond = None
             if job.reference is not None:
                 job.reference.pixels = job.reference.latents = job.reference.ids = None
+            if job.step_cache is not None:
+                job.step_cache.release()
 
     def close(self) -> None:
         """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""

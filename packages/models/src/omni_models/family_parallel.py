@@ -15,10 +15,13 @@ velocity, so every rank advances every job alike and any rank decodes):
   every token without a mask, so the gathered order of the tokens does not matter. Text and image lengths must
   divide by ``sp`` (a padded token would be attended to). Qwen-Image rows carry ragged text, which this split does
   not handle yet: SP is refused for it.
+- Step caches (``forward_with_cache``): each rank runs its rows' caches; every rank takes every job's decision from
+  the change summed over all ranks (one all-reduce per decision boundary), so the ranks agree on each decision.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,7 @@ from omni_models.parallel import ParallelState, check_sequence_parallel
 
 if TYPE_CHECKING:
     from omni_models.families import DenoiseRow, FamilyPipeline
+    from omni_models.step_cache_blocks import StepCachePlan
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -83,14 +87,33 @@ class ParallelFamilyBackend:
         return getattr(self.inner, name)
 
     def forward(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
+        return self.forward_with_cache(rows, height, width, None)
+
+    def forward_with_cache(
+        self, rows: Sequence[DenoiseRow], height: int, width: int, plan: StepCachePlan | None
+    ) -> Tensor:
+        """``forward`` with the rows' step caches (``plan``): this rank runs its rows' cache, and every rank takes
+        every job's decisions from the changes summed over all ranks (a cond row on one CFG rank and its uncond row
+        on the other decide together; SP ranks add their token slices' shares)."""
         state = self.state
         per_rank = cdiv(len(rows), state.cfg_size)
-        mine = list(rows[state.cfg_rank * per_rank : (state.cfg_rank + 1) * per_rank])
+        indices = range(state.cfg_rank * per_rank, min((state.cfg_rank + 1) * per_rank, len(rows)))
+        mine = [rows[i] for i in indices]
+        reduce = None
+        if plan is not None:
+            from omni_models.step_cache_blocks import all_reduce_sum
+
+            reduce = all_reduce_sum()
         if mine:
-            local = (
-                self._forward_sp(mine, height, width) if state.sp_size > 1 else self.inner.forward(mine, height, width)
-            )
+            with plan.forward(indices, reduce) if plan is not None else contextlib.nullcontext():
+                local = (
+                    self._forward_sp(mine, height, width)
+                    if state.sp_size > 1
+                    else self.inner.forward(mine, height, width)
+                )
         else:
+            if plan is not None:
+                plan.idle(reduce, self.inner.device)
             local = None
         if state.cfg_size == 1:
             return local

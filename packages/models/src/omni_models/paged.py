@@ -12,6 +12,10 @@ tables, and every layer writes and attends through ``PreparedBatch.attention``:
   through every block each step (what a model without prefix caching must do), same outputs;
 - ``predict_velocities(..., graphs=StepGraphs())``: the same forward, its device work captured as a CUDA graph on
   the first step of a batch layout and replayed on the following ones (``omni_models.graphs``).
+- a batch with a job that has a step cache (``job.step_cache``) runs eagerly through ``omni_models.
+  step_cache_blocks.CachedForward``: each block runs on the rows that compute it, with attention metadata
+  prepared for that subset of rows. A skipping row writes no target K/V in the middle layers; its stale slots are
+  never read, since a row attends to its own keys only and a layer writes a row's target K/V before reading them.
 ``denoise_step`` turns the velocities into one guided Euler step per job (``GenerationJob.advance``).
 """
 
@@ -196,6 +200,66 @@ def _velocity(model: CausalPrefixDiT, plan: _StepPlan, patches: Tensor, times: T
     return model.final_layer(target, cond, plan.row_ids).float()
 
 
+def cached_jobs(batch: Sequence[ScheduledJob]) -> list:
+    """The step caches of ``batch``'s jobs, in batch order (the same on every rank)."""
+    return [scheduled.job.step_cache for scheduled in batch if scheduled.job.step_cache is not None]
+
+
+def _cached_velocity(
+    model: CausalPrefixDiT,
+    kv: PagedKV,
+    rows: Sequence[RowRef],
+    plan: _StepPlan,
+    patches: Tensor,
+    times: Tensor,
+    *,
+    reduce=None,
+    jobs=None,
+) -> Tensor:
+    """``_velocity`` with the rows' step caches: each block runs on the rows that compute it (a host read per
+    decision boundary, so no CUDA graph). ``reduce``/``jobs``: a rank's share of a multi-rank forward
+    (``step_cache_blocks.CachedForward``)."""
+    from omni_models.step_cache_blocks import CachedForward, FlatRows, row_slots
+
+    index_in_job: dict[int, int] = {}
+    slots = []
+    for ref in rows:
+        position = index_in_job.get(id(ref.job), 0)
+        index_in_job[id(ref.job)] = position + 1
+        slots.append((ref.job.step_cache, position, ref.job.step_index))
+    layout = FlatRows([ref.row.target_len for ref in rows], kv.device)
+    run = CachedForward(row_slots(slots), len(model.blocks), layout, reduce=reduce, jobs=jobs)
+    subsets: dict[tuple[int, ...], tuple[_LayerAttention, Tensor]] = {}
+
+    def subset(computing: Tensor) -> tuple[_LayerAttention, Tensor]:
+        key = tuple(computing.tolist())
+        if key not in subsets:
+            chosen = [rows[i] for i in key]
+            batch = prepare_batch(
+                kv.rows, [BatchRow.target(ref.identity, ref.row.prefix_len, ref.row.target_len) for ref in chosen]
+            )
+            lengths = torch.tensor([ref.row.target_len for ref in chosen], device=kv.device)
+            row_ids = torch.repeat_interleave(torch.arange(len(chosen), device=kv.device), lengths)
+            subsets[key] = (_LayerAttention(kv, None, batch), row_ids)
+        return subsets[key]
+
+    target = model.embed_target(patches, plan.positions)
+    cond = model.timestep_condition(times).to(patches.dtype)
+    for index, block in enumerate(model.blocks):
+        (target,) = run.at_boundary(index, [target])
+        computing = run.computing(index)
+        if computing is None:
+            _, target = block(None, target, cond, plan.attend, plan.row_ids)
+        elif computing.numel():
+            attend, row_ids = subset(computing)
+            part = layout.gather(target, computing)
+            _, part = block(None, part, cond.index_select(0, computing), attend, row_ids)
+            target = layout.scatter(target, part, computing)
+    (target,) = run.at_boundary(len(model.blocks), [target])
+    run.finish()
+    return model.final_layer(target, cond, plan.row_ids).float()
+
+
 def _layout_key(kv: PagedKV, batch: Sequence[ScheduledJob], recompute_prefix: bool) -> Hashable:
     """What a captured step depends on besides its inputs: the rows (and their lengths, sizes, prompts when
     recomputed), the row table's state (its version moves whenever a row is installed or retired) and the pool."""
@@ -242,7 +306,12 @@ def predict_velocities(
             row_times.append(job.times[job.step_index])
     patches = torch.cat(patches).to(kv.dtype)
     times = torch.tensor(row_times, device=kv.device)
-    if graphs is not None and kv.device.type == "cuda":
+    if any(scheduled.job.step_cache is not None for scheduled in batch):
+        if recompute_prefix:
+            raise ValueError("recompute_prefix is the uncached benchmark baseline; run it without a step cache")
+        rows = batch_rows(batch)
+        velocity = _cached_velocity(model, kv, rows, target_plan(model, kv, rows, False), patches, times)
+    elif graphs is not None and kv.device.type == "cuda":
         velocity = graphs.run(
             _layout_key(kv, batch, recompute_prefix),
             lambda: target_plan(model, kv, batch_rows(batch), recompute_prefix),

@@ -25,6 +25,10 @@ Layerwise offload in AllGather mode shards block weights over ``ParallelState.of
 ranks run every block of every forward together, as an AllGather needs. CFG ranks do not (a CFG rank with no rows
 in a forward skips the blocks), so they never share a sharded weight.
 
+Step caches (``job.step_cache``, CFG-parallel only for now): each CFG rank runs its rows' caches and takes every
+job's decision from the changes summed over the ranks (one all-reduce per decision boundary), so a guided job's
+cond row (rank 0) and uncond row (rank 1) decide together and every rank records the same decisions.
+
 Outputs equal the single-rank forward up to floating-point reassociation in the per-token GEMMs (the attention
 of each row and head sees exactly the same inputs).
 """
@@ -294,12 +298,26 @@ def write_prefix(
 
 
 def _local_velocity(
-    model: CausalPrefixDiT, kv: paged.PagedKV, rows: Sequence[paged.RowRef], state: ParallelState
+    model: CausalPrefixDiT,
+    kv: paged.PagedKV,
+    rows: Sequence[paged.RowRef],
+    state: ParallelState,
+    cached: list | None = None,
 ) -> Tensor:
-    """Float32 velocity ``[target tokens of rows, patch_dim]`` of this CFG rank's rows (SP-split inside)."""
+    """Float32 velocity ``[target tokens of rows, patch_dim]`` of this CFG rank's rows (SP-split inside).
+
+    ``cached``: the step caches of the whole batch's jobs; this rank runs its rows' caches and takes every job's
+    decision from the changes summed over the CFG ranks (one rank, so no SP split: refused at ``prepare``)."""
     plan = paged.target_plan(model, kv, rows, recompute_prefix=False)
     patches = torch.cat([patchify(ref.job.latents.unsqueeze(0), model.config.patch_size)[0] for ref in rows])
     times = torch.tensor([ref.job.times[ref.job.step_index] for ref in rows], device=kv.device)
+    if cached:
+        from omni_models.step_cache_blocks import all_reduce_sum
+
+        assert state.sp_size == 1, "the DiT's step cache runs without sequence parallelism"
+        return paged._cached_velocity(
+            model, kv, rows, plan, patches.to(kv.dtype), times, reduce=all_reduce_sum(), jobs=cached
+        )
     split = _Split(patches.shape[0], state.sp_size, state.sp_rank)
     attend = plan.attend if state.sp_size == 1 else _UlyssesAttention(plan.attend, state, None, split)
     row_ids = split.slice(plan.row_ids)
@@ -320,9 +338,14 @@ def predict_velocities(
     shares = assign_rows(rows, state.cfg_size)
     mine = [rows[i] for i in shares[state.cfg_rank]]
     config = model.config
+    cached = paged.cached_jobs(batch)
     if mine:
-        local = _local_velocity(model, kv, mine, state)
+        local = _local_velocity(model, kv, mine, state, cached)
     else:
+        if cached:  # no rows here: take part in the decisions all the same
+            from omni_models.step_cache_blocks import CachedForward, all_reduce_sum
+
+            CachedForward([], len(model.blocks), None, reduce=all_reduce_sum(), jobs=cached, device=kv.device).idle()
         local = torch.empty((0, config.patch_dim), dtype=torch.float32, device=kv.device)
     sizes = [sum(rows[i].row.target_len for i in share) for share in shares]
     gathered = _cfg_gather(local, sizes, state)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 AttentionBackend = Literal["paged", "dense"]
 CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
 _PRIVATE_REQUEST_ID = "private-pool"  # the one request a private pool's row table holds
-DIT_ACCEPTS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed")
+DIT_ACCEPTS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed", "cache")
 
 
 def dit_info(config: DiTConfig, vocabulary: Sequence[str], name: str) -> ModelInfo:
@@ -74,6 +74,7 @@ def dit_info(config: DiTConfig, vocabulary: Sequence[str], name: str) -> ModelIn
         ),
         vocabulary=tuple(vocabulary),
         paged_kv=True,
+        transformer_blocks=config.depth,
     )
 
 
@@ -154,19 +155,40 @@ class Pipeline:
         rows = tuple(GenerationRow(role, tuple(ids), target_len) for role, ids in rows_ids)
         times = tuple(euler_times(request.num_inference_steps).tolist())
         shape = (self.model.config.in_channels, request.height, request.width)
+        if request.cache is not None and self.parallel is not None and self.parallel.sp_size > 1:
+            raise InvalidRequestError(
+                'the shipped DiT\'s step cache is not available with sequence parallelism yet; use "off"',
+                param="cache",
+            )
         jobs = []
         for index in range(request.n):
             image = msgspec.structs.replace(request, n=1, seed=request.seed + index)
-            jobs.append(
-                GenerationJob(
-                    request=image,
-                    rows=rows,
-                    latents=initial_noise(image.seed, shape).to(self.device),
-                    times=times,
-                    request_id=request_id,
-                )
+            job = GenerationJob(
+                request=image,
+                rows=rows,
+                latents=initial_noise(image.seed, shape).to(self.device),
+                times=times,
+                request_id=request_id,
             )
+            if request.cache is not None:
+                from omni_models.step_cache_blocks import JobStepCache
+
+                job.step_cache = JobStepCache.create(
+                    request.cache, num_blocks=self.model.config.depth, num_steps=job.num_steps, num_rows=len(rows)
+                )
+            jobs.append(job)
         return jobs
+
+    def step_cache_bytes(self, job: GenerationJob) -> int:
+        """The most memory ``job``'s step cache holds (per row: the image tokens' residual, its differences and
+        the first blocks' residual); 0 without one."""
+        if job.step_cache is None:
+            return 0
+        from omni_models.step_cache_blocks import JobStepCache
+
+        width = self.model.config.width
+        streams = [(row.target_len * width,) for row in job.rows]
+        return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     def start(self, jobs: Sequence[GenerationJob]) -> None:
         """Write the prefix K/V of every job among ``jobs`` that has not written it yet (rows installed)."""
@@ -197,9 +219,11 @@ class Pipeline:
         return [Image.fromarray(to_uint8_images(job.latents.unsqueeze(0))[0]) for job in jobs]
 
     def release(self, jobs: Sequence[GenerationJob]) -> None:
-        """The engine frees the jobs' blocks; the jobs forget their rows."""
+        """The engine frees the jobs' blocks; the jobs forget their rows and drop their step caches."""
         for job in jobs:
             job.kv_rows = None
+            if job.step_cache is not None:
+                job.step_cache.release()
 
     def close(self) -> None:
         """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""

@@ -17,6 +17,9 @@ What the fields mean, for every model kind:
   most ``ImageLimits.max_input_images``; with images and no size, the output takes the first image's size rounded to
   the model's granularity (``ImageLimits.fit_size``).
 - music: ``prompt`` is the caption, ``lyrics`` the structure-tagged lyrics, ``max_new_tokens`` a cap on frames.
+- ``cache``: the request's step cache (``omni_models.step_cache``): a preset name (``"off"``, ``"safe"``,
+  ``"fast"``) or an object of knobs; unset: the caller's default (the server's ``--step-cache``). Resolved to a
+  ``StepCacheConfig``, or None when off.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from omni_models.errors import InvalidRequestError
 from omni_models.input_images import InputImage
 from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_SEED, draw_seed
 from omni_models.spec import ModelInfo
+from omni_models.step_cache import OFF, StepCacheConfig, parse_step_cache
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +53,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     lyrics: str | None = None
     max_new_tokens: int | None = None
     images: tuple[InputImage, ...] = ()
+    cache: str | dict[str, Any] | None = None
 
 
 class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +72,7 @@ class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
     lyrics: str | None = None
     max_new_tokens: int | None = None
     images: tuple[InputImage, ...] = ()
+    cache: StepCacheConfig | None = None  # None: no step cache
 
 
 # The request fields ``ModelInfo.accepts`` names, and the attribute each is set through (``size``: two).
@@ -80,6 +86,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "lyrics": ("lyrics",),
     "max_new_tokens": ("max_new_tokens",),
     "image": ("images",),
+    "cache": ("cache",),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "image": ()}
 
@@ -128,12 +135,17 @@ def _seed(value: Any, n: int, max_seed: int, rng: random.Random | None) -> int:
 
 
 def resolve_request(
-    info: ModelInfo, request: GenerationRequest, *, rng: random.Random | None = None
+    info: ModelInfo,
+    request: GenerationRequest,
+    *,
+    rng: random.Random | None = None,
+    default_cache: StepCacheConfig = OFF,
 ) -> ResolvedRequest:
     """Check ``request`` against ``info`` and the limits table; fill every default; draw the seed if unset.
 
     Raises ``InvalidRequestError`` whose ``param`` names the field (``size`` for height and width) and changes
-    nothing. ``rng``: the stream a request without a seed draws from (default: system entropy).
+    nothing. ``rng``: the stream a request without a seed draws from (default: system entropy);
+    ``default_cache``: the step cache of a request that names none (the server's ``--step-cache``).
     """
     for field in _FIELD_ATTRIBUTES:
         if field not in info.accepts and _given(request, field):
@@ -173,6 +185,11 @@ def resolve_request(
         else _text(negative, "negative_prompt", required=False)
     )
     guidance, true_cfg = _guidance(info, request)
+    cache = None
+    if "cache" in info.accepts:
+        cache = parse_step_cache(
+            request.cache, num_blocks=info.transformer_blocks, num_steps=steps, default=default_cache
+        )
     return ResolvedRequest(
         prompt=prompt,
         negative_prompt=negative,
@@ -184,6 +201,7 @@ def resolve_request(
         true_cfg_scale=true_cfg,
         seed=_seed(request.seed, n, MAX_SEED, rng),
         images=images,
+        cache=cache if cache is not None and cache.enabled else None,
     )
 
 

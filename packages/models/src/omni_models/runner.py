@@ -32,6 +32,7 @@ from omni_models.flow import euler_step, guided_velocity
 if TYPE_CHECKING:
     from diffusion_kv import RowIdentity
     from omni_models.request import ResolvedRequest
+    from omni_models.step_cache_blocks import JobStepCache
 
 RowRole = Literal["cond", "uncond"]
 
@@ -70,6 +71,7 @@ class GenerationJob:
     prefix_written: bool = False
     request_id: str | None = field(default=None)
     kv_rows: tuple[RowIdentity, ...] | None = None  # set by the engine once the rows are installed
+    step_cache: JobStepCache | None = None  # the request's step cache state (``omni_models.step_cache_blocks``)
 
     @property
     def num_rows(self) -> int:

@@ -126,6 +126,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     vocabulary: tuple[str, ...] | None = None
     # The paged KV path (diffusion_kv rows per CFG row, prefix K/V written once): the shipped DiT family.
     paged_kv: bool = False
+    # The transformer's repeated blocks in forward order (what a step cache cuts into first, middle and last
+    # blocks, ``omni_models.step_cache``); 0: none (music).
+    transformer_blocks: int = 0
 
     def __post_init__(self) -> None:
         wanted = "image" if self.task == "text-to-image" else "audio"

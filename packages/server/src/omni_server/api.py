@@ -96,6 +96,7 @@ class ServerState:
         self._max_accepted = config.max_num_seqs + config.max_queued_requests
         # The stream requests without a seed draw theirs from (``--seed``), in ``resolve_request``.
         self._seeds = random.Random(config.seed)
+        self._default_cache = config.default_step_cache()  # --step-cache, --step-cache-config
 
     def unavailable(self) -> APIError:
         return APIError.from_request_error(self.client.unavailable_error())
@@ -140,7 +141,7 @@ class ServerState:
         """``request`` checked against the served model (the one check); 400 naming the field, renamed by
         ``params`` (request field -> the route's body field) where the route names it differently."""
         try:
-            return resolve_request(self.info(), request, rng=self._seeds)
+            return resolve_request(self.info(), request, rng=self._seeds, default_cache=self._default_cache)
         except InvalidRequestError as exc:
             raise invalid_field((params or {}).get(exc.param, exc.param), str(exc)) from None
 
@@ -214,6 +215,7 @@ class ServerState:
                 error = msgspec.structs.replace(error, param=params[error.param])
             raise APIError.from_request_error(error)
         metrics.e2e_time.observe(time.monotonic() - received)
+        metrics.observe_step_cache(result)
         metrics.count_finished("success")
         return result
 

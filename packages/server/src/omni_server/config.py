@@ -16,10 +16,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+if TYPE_CHECKING:
+    from omni_models.step_cache import StepCacheConfig
 
 DEFAULT_MODEL = "omni-shapes-tiny"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -225,6 +228,36 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             group="SchedulerConfig",
         ),
     ] = False
+    # StepCacheConfig: the step cache of requests that name none (omni_models.step_cache)
+    step_cache: Annotated[
+        Literal["off", "safe", "fast"],
+        setting(
+            "the step cache of requests without a `cache` field: a preset (each request may name its own)",
+            group="StepCacheConfig",
+            commands=BOTH,
+        ),
+    ] = "off"
+    step_cache_config: Annotated[
+        str | None,
+        setting(
+            'knobs over --step-cache as a JSON object, e.g. \'{"threshold": 0.1, "taylor_order": 1}\' (alone: over '
+            "the residual test's defaults); the knobs are those of a request's `cache` object",
+            group="StepCacheConfig",
+            commands=BOTH,
+            metavar="JSON",
+        ),
+    ] = None
+    step_cache_memory_bytes: Annotated[
+        int,
+        setting(
+            "most memory the step caches of admitted requests may hold together, e.g. 4G; a request waits until "
+            "its cache fits, and one that never fits fails at once",
+            group="StepCacheConfig",
+            parse="human_int",
+            metavar="BYTES",
+            ge=1,
+        ),
+    ] = 4 * 2**30
     # Frontend
     served_model_name: Annotated[
         Annotated[str, Meta(min_length=1)] | None,
@@ -357,6 +390,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Ranks (one process per GPU) that serve each request: CFG-parallel x sequence-parallel."""
         return self.cfg_parallel_size * self.sequence_parallel_size
 
+    def default_step_cache(self) -> StepCacheConfig:
+        """The step cache of a request that names none (``--step-cache`` with ``--step-cache-config`` over it)."""
+        return _step_cache_default(self)
+
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda`` when a CUDA device is visible, else ``cpu``."""
         if self.device != "auto":
@@ -428,8 +465,31 @@ def check_constraints(config: ServerConfig) -> None:
             raise ConfigError(f"{name} {problem}; got {value!r} ({flag(name)})")
 
 
+def _step_cache_default(config: ServerConfig) -> StepCacheConfig:
+    import json
+
+    from omni_models import InvalidRequestError
+    from omni_models.step_cache import server_default
+
+    knobs = None
+    if config.step_cache_config is not None:
+        try:
+            knobs = json.loads(config.step_cache_config)
+        except ValueError as exc:
+            raise ConfigError(f"step_cache_config is not valid JSON: {exc} (--step-cache-config)") from None
+        if not isinstance(knobs, dict):
+            raise ConfigError(
+                f"step_cache_config must be a JSON object of knobs, got {type(knobs).__name__} (--step-cache-config)"
+            )
+    try:
+        return server_default(config.step_cache, knobs, where="--step-cache-config")
+    except InvalidRequestError as exc:
+        raise ConfigError(f"{exc} (--step-cache, --step-cache-config)") from None
+
+
 def _check_server_rules(config: ServerConfig) -> None:
     """What a flag needs beside it, where the server owns the rule."""
+    _step_cache_default(config)
     if config.block_size & (config.block_size - 1):
         raise ConfigError(f"block_size must be a positive power of two; got {config.block_size} (--block-size)")
     if config.max_model_len == 0:

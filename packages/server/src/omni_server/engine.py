@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from omni_models import GenerationRequest, ModelInfo, ResolvedRequest, StepwisePipeline
+from omni_models.step_cache import StepCacheStats
 from omni_server.config import ServerConfig
 from omni_server.protocol import (
     EngineOutput,
@@ -63,7 +64,12 @@ class Timer:
             self.scheduled = time.monotonic()
 
     def finished(
-        self, request_id: str, *, outputs: Iterable[bytes] = (), error: RequestError | None = None
+        self,
+        request_id: str,
+        *,
+        outputs: Iterable[bytes] = (),
+        error: RequestError | None = None,
+        step_cache: Iterable[StepCacheStats] = (),
     ) -> RequestFinished:
         now = time.monotonic()
         scheduled = self.scheduled if self.scheduled is not None else now
@@ -73,6 +79,7 @@ class Timer:
             error=error,
             queue_s=scheduled - self.arrival,
             engine_s=now - self.arrival,
+            step_cache=list(step_cache),
         )
 
 
@@ -375,7 +382,9 @@ class EngineCore:
         except Exception:  # a release that fails must not take the request's answer or the loop with it
             logger.exception("releasing request %s failed", request.request_id)
         if ended.outcome == "completed":
-            return request.timer.finished(request.request_id, outputs=request.outputs)
+            caches = [getattr(job, "step_cache", None) for job in request.jobs]
+            stats = [cache.stats() for cache in caches if cache is not None]
+            return request.timer.finished(request.request_id, outputs=request.outputs, step_cache=stats)
         return request.timer.finished(request.request_id, error=ended.error)
 
     def stats(self) -> EngineStats:

@@ -43,6 +43,7 @@ REQUEST_FLAGS = {
     "lyrics": "--lyrics",
     "max_new_tokens": "--max-new-tokens",
     "image": "--image",
+    "cache": "--step-cache",
 }
 SMALL_SIDE = 128  # below this, generate says how to write the image larger
 
@@ -105,7 +106,7 @@ def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) ->
         images=images,
     )
     try:
-        return resolve_request(info, request)
+        return resolve_request(info, request, default_cache=config.default_step_cache())
     except InvalidRequestError as exc:
         raise GenerateError(f"{REQUEST_FLAGS.get(exc.param, exc.param)}: {exc}") from None
 

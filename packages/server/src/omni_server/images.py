@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from omni_models import GenerationRequest
-from omni_server.schemas import ImageData, ImageGenerationRequest, ImageGenerationResponse
+from omni_server.schemas import ImageData, ImageGenerationRequest, ImageGenerationResponse, ImageUsage, StepCacheUsage
 
 # The quality each lossy format is written at when the request names none (percent).
 DEFAULT_COMPRESSION = {"jpeg": 95, "webp": 100}
@@ -64,6 +64,7 @@ def images_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an imp
                 guidance_scale=body.guidance_scale,
                 true_cfg_scale=body.true_cfg_scale,
                 seed=body.seed,
+                cache=body.cache,
             )
         )
         result = await state.run(resolved, request)
@@ -74,8 +75,24 @@ def images_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an imp
             )
             for png in result.outputs
         ]
+        usage = None
+        if result.step_cache:
+            usage = ImageUsage(
+                step_cache=[
+                    StepCacheUsage(
+                        **msgspec.structs.asdict(stats),
+                        computed_fraction=stats.computed_fraction,
+                        block_fraction=stats.block_fraction,
+                    )
+                    for stats in result.step_cache
+                ]
+            )
         response = ImageGenerationResponse(
-            created=int(time.time()), data=data, output_format=output_format, size=f"{resolved.width}x{resolved.height}"
+            created=int(time.time()),
+            data=data,
+            output_format=output_format,
+            size=f"{resolved.width}x{resolved.height}",
+            usage=usage,
         )
         return JSONResponse(response.model_dump(exclude_none=True))
 

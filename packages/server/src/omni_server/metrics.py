@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from omni_server.protocol import EngineStats
+from omni_server.protocol import EngineStats, RequestFinished
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -86,7 +86,29 @@ class ServerMetrics:
         self._finished = Counter(
             "omni:request_finished", "Finished requests by outcome.", ["model_name", "outcome"], registry=r
         )
+        self.step_cache_steps = Counter(
+            "omni:step_cache_steps",
+            "Denoising steps of images with a step cache, by decision (computed: the middle blocks ran; cached: the "
+            "cached residual was reused).",
+            ["model_name", "decision"],
+            registry=r,
+        )
+        self.step_cache_block_fraction = Histogram(
+            "omni:step_cache_block_fraction",
+            "Per image with a step cache: repeated-block evaluations run over an uncached image's (FLOP fraction).",
+            ["model_name"],
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=r,
+        ).labels(**labels)
         self._model_name = model_name
+
+    def observe_step_cache(self, finished: RequestFinished) -> None:
+        for stats in finished.step_cache:
+            computed = self.step_cache_steps.labels(model_name=self._model_name, decision="computed")
+            computed.inc(stats.computed_steps)
+            cached = self.step_cache_steps.labels(model_name=self._model_name, decision="cached")
+            cached.inc(stats.num_steps - stats.computed_steps)
+            self.step_cache_block_fraction.observe(stats.block_fraction)
 
     def count_finished(self, outcome: str) -> None:
         """``outcome`` is one of success, invalid, error, aborted, unavailable, rejected (queue full), timeout."""

@@ -18,6 +18,7 @@ import msgspec
 
 from omni_models.request import ResolvedRequest
 from omni_models.spec import ModelInfo
+from omni_models.step_cache import StepCacheStats
 
 # API process -> engine process
 
@@ -78,6 +79,7 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     error: RequestError | None = None
     queue_s: float = 0.0  # arrival -> first scheduled
     engine_s: float = 0.0  # arrival -> finished, measured in the engine
+    step_cache: list[StepCacheStats] = []  # one per image of a completed request with a step cache
 
 
 class StepProgress(msgspec.Struct, frozen=True, array_like=True):

@@ -10,12 +10,13 @@ checked once, against its ``ModelInfo`` (``omni_models.resolve_request``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_models import ModelInfo
 from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_IMAGES_PER_REQUEST, MAX_INFERENCE_STEPS, MAX_SEED
+from omni_models.step_cache import preset_table
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 
@@ -66,6 +67,12 @@ class ImageGenerationRequest(BaseModel):
         le=MAX_SEED,
         description="Seed of image 0; image i uses seed + i, so seed + n - 1 must be <= 2**63 - 1.",
     )
+    cache: str | dict[str, Any] | None = Field(
+        default=None,
+        description="Step cache (omni extension): a preset (off, safe, fast) or an object of knobs (see /v1/models "
+        'step_cache_presets; {"preset": "fast", ...} overrides a preset\'s knobs); omitted: the server\'s '
+        "--step-cache.",
+    )
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
     safety_identifier: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
 
@@ -75,11 +82,28 @@ class ImageData(BaseModel):
     revised_prompt: str | None = None
 
 
+class StepCacheUsage(BaseModel):
+    """What one image's step cache did (omni extension of ``usage``)."""
+
+    method: str
+    num_steps: int
+    computed_steps: int = Field(description="steps that ran the middle blocks")
+    computed_fraction: float
+    block_fraction: float = Field(description="repeated-block evaluations run over an uncached image's (FLOPs)")
+    decisions: str = Field(description="one letter per step: C computed, S cached")
+    residual_diffs: list[float | None] = Field(description="each step's relative change of the first blocks' residual")
+
+
+class ImageUsage(BaseModel):
+    step_cache: list[StepCacheUsage] | None = Field(default=None, description="one entry per image, in order")
+
+
 class ImageGenerationResponse(BaseModel):
     created: int
     data: list[ImageData]
     output_format: OutputFormat | None = None
     size: str | None = None
+    usage: ImageUsage | None = None
 
 
 class ModelObject(BaseModel):
@@ -107,6 +131,9 @@ class ModelObject(BaseModel):
     max_inference_steps: int | None = None
     max_prompt_tokens: int | None = None
     max_input_images: int | None = Field(default=None, description="edit models: input images per request")
+    step_cache_presets: dict[str, dict[str, Any]] | None = Field(
+        default=None, description="the `cache` presets and their knobs (models that accept `cache`)"
+    )
     # music models
     sample_rate: int | None = None
     channels: int | None = None
@@ -147,6 +174,7 @@ def model_object(info: ModelInfo, served_name: str, created: int) -> ModelObject
                 max_inference_steps=image.max_inference_steps,
                 max_prompt_tokens=image.max_prompt_tokens,
                 max_input_images=image.max_input_images or None,
+                step_cache_presets=preset_table() if "cache" in info.accepts else None,
             )
         )
     if info.audio is not None:

@@ -135,5 +135,13 @@ def check_startup(config: ServerConfig) -> ModelSpec:
             check_sequence_parallel(capabilities.attention_heads or 1, config.sequence_parallel_size)
         except ValueError as exc:
             raise ConfigError(f"--sequence-parallel-size: {exc}") from None
+    default_cache = config.default_step_cache()
+    if default_cache.enabled:
+        from omni_models.step_cache import check_config
+
+        try:
+            check_config(default_cache, num_blocks=spec.info.transformer_blocks, num_steps=None, where="--step-cache")
+        except ValueError as exc:
+            raise ConfigError(f"{exc} ({variant} has {spec.info.transformer_blocks} repeated blocks)") from None
     check_devices(config)
     return spec

@@ -11,7 +11,11 @@ things each iteration: which requests run now (``schedule``), which of their job
 - ``BatchedStrategy`` (every other kind): no KV pool (the families' joint attention recomputes text K/V every
   step); requests run FIFO while fewer than ``max_num_seqs`` run.
 
-Both pick the jobs of one forward with ``StepSelection`` (``--max-rows-per-step``, fewest steps left first).
+Both pick the jobs of one forward with ``StepSelection`` (``--max-rows-per-step``, fewest steps left first), and
+both bound the memory step caches hold with ``StepCacheBudget`` (``--step-cache-memory-bytes``): a request's
+bound (``pipeline.step_cache_bytes`` of its jobs) is taken when it is admitted (paged: when it is handed to the
+KV scheduler) and given back when it ends; a request that does not fit waits, in order, and one that can never
+fit fails at once.
 
 Invariant (both): every request handed to ``add`` is returned by ``finish`` exactly once, as ``Ended``, whether
 it completed, was aborted, failed, or could never be admitted.
@@ -75,12 +79,54 @@ class Occupancy:
     kv_blocks_total: int = 0
 
 
+class StepCacheBudget:
+    """The memory the step caches of admitted requests hold, at most ``--step-cache-memory-bytes``."""
+
+    def __init__(self, pipeline: StepwisePipeline, limit: int) -> None:
+        self._bytes_of = getattr(pipeline, "step_cache_bytes", None)
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(self._held.values())
+
+    def need(self, request: EngineRequest) -> int:
+        if self._bytes_of is None:
+            return 0
+        return sum(self._bytes_of(job) for job in request.jobs)
+
+    def never_fits(self, request: EngineRequest) -> RequestError | None:
+        need = self.need(request)
+        if need <= self.limit:
+            return None
+        return RequestError(
+            kind="capacity",
+            message=f"the request's step cache needs {need} bytes, more than --step-cache-memory-bytes {self.limit}; "
+            "ask for fewer images, a smaller size or a lower cache.taylor_order",
+            param="cache",
+        )
+
+    def take(self, request: EngineRequest) -> bool:
+        """Hold ``request``'s bound if it fits beside the others; False (nothing held) if not."""
+        need = self.need(request)
+        if need and self.used + need > self.limit:
+            return False
+        if need:
+            self._held[request.request_id] = need
+        return True
+
+    def free(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+
 class BatchedStrategy:
-    """FIFO admission while fewer than ``max_num_seqs`` requests run; no KV pool."""
+    """FIFO admission while fewer than ``max_num_seqs`` requests run and their step caches fit; no KV pool."""
 
     block_size = 0
 
     def __init__(self, pipeline: StepwisePipeline, config: ServerConfig) -> None:
+        self.step_cache = StepCacheBudget(pipeline, config.step_cache_memory_bytes)
         self._max_num_seqs = config.max_num_seqs
         self._selection = StepSelection(config.max_rows_per_step)
         self._waiting: deque[EngineRequest] = deque()
@@ -91,6 +137,7 @@ class BatchedStrategy:
         self._waiting.append(request)
 
     def _take(self, request_id: str) -> EngineRequest | None:
+        self.step_cache.free(request_id)
         for queue in (self._waiting, self._running):
             for request in queue:
                 if request.request_id == request_id:
@@ -112,7 +159,15 @@ class BatchedStrategy:
 
     def schedule(self) -> list[EngineRequest]:
         while self._waiting and len(self._running) < self._max_num_seqs:
-            request = self._waiting.popleft()
+            request = self._waiting[0]
+            error = self.step_cache.never_fits(request)
+            if error is not None:
+                self._waiting.popleft()
+                self._ended.append(Ended(request, "failed", error))
+                continue
+            if not self.step_cache.take(request):
+                break  # FIFO: it waits for running requests' caches to be freed
+            self._waiting.popleft()
             request.timer.mark_scheduled()
             self._running.append(request)
         return list(self._running)
@@ -155,6 +210,9 @@ class PagedStrategy:
         self._torch = torch
         self._requests: dict[str, EngineRequest] = {}
         self._failed: dict[str, RequestError] = {}
+        self.step_cache = StepCacheBudget(pipeline, config.step_cache_memory_bytes)
+        self._held: deque[EngineRequest] = deque()  # waiting for step-cache memory, before the KV scheduler
+        self._ended_here: list[Ended] = []  # ended before reaching the KV scheduler
         self._output: SchedulerOutput | None = None  # this iteration's schedule()
         limits = pipeline.info.image
         self._max_rows = limits.max_images_per_request * 2  # every image guided: cond + uncond
@@ -255,14 +313,33 @@ class PagedStrategy:
                     )
                 )
         request.diffusion_kv_requests = kv_requests
+        error = self.step_cache.never_fits(request)
+        if error is not None:
+            self._ended_here.append(Ended(request, "failed", error))
+        elif self._held or not self.step_cache.take(request):
+            self._held.append(request)
+        else:
+            self._hand_over(request)
+
+    def _hand_over(self, request: EngineRequest) -> None:
         self._requests[request.request_id] = request
         self._scheduler.add_request(request)
+
+    def _unhold(self, request_id: str, outcome: Outcome, error: RequestError) -> bool:
+        for request in self._held:
+            if request.request_id == request_id:
+                self._held.remove(request)
+                self._ended_here.append(Ended(request, outcome, error))
+                return True
+        return False
 
     def abort(self, request_id: str) -> None:
         from diffusion_kv import RequestStatus
 
         if request_id in self._requests:
             self._scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        else:
+            self._unhold(request_id, "aborted", RequestError(kind="aborted", message="the request was aborted"))
 
     def fail(self, request_id: str, error: RequestError) -> None:
         from diffusion_kv import RequestStatus
@@ -270,10 +347,14 @@ class PagedStrategy:
         if request_id in self._requests:
             self._failed[request_id] = error
             self._scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+        else:
+            self._unhold(request_id, "failed", error)
 
     def schedule(self) -> list[EngineRequest]:
         from diffusion_kv.worker import RowIdentity
 
+        while self._held and self.step_cache.take(self._held[0]):
+            self._hand_over(self._held.popleft())
         output = self._output = self._scheduler.schedule()
         # Retire finished rows before installing new ones: a release and the admission it made room for can
         # arrive in the same output, reusing the same blocks.
@@ -293,13 +374,14 @@ class PagedStrategy:
     def finish(self, completed: Sequence[str]) -> list[Ended]:
         from diffusion_kv import RequestStatus
 
+        ended, self._ended_here = self._ended_here, []
         if self._output is None:
-            return []
+            return ended
         output, self._output = self._output, None
-        ended = []
         for request_id in self._scheduler.update_from_output(output, completed=list(completed)):
             state = self._scheduler.pop_request_state(request_id)
             request = self._requests.pop(request_id)
+            self.step_cache.free(request_id)
             if state.status == RequestStatus.FINISHED_STOPPED:
                 ended.append(Ended(request, "completed"))
             elif state.status == RequestStatus.FINISHED_ABORTED:
@@ -315,7 +397,7 @@ class PagedStrategy:
         total = self._manager.empty_pool_num_free_blocks
         return Occupancy(
             running=len(self._scheduler.running),
-            waiting=len(self._scheduler.waiting),
+            waiting=len(self._scheduler.waiting) + len(self._held),
             kv_blocks_used=total - self._manager.get_num_free_blocks(),
             kv_blocks_total=total,
         )
@@ -324,6 +406,7 @@ class PagedStrategy:
         self._rows.remove(list(self._rows.installed_request_ids))
         self._scheduler.close()
         self._requests.clear()
+        self._held.clear()
 
 
-__all__ = ["BatchedStrategy", "Ended", "EngineRequest", "Occupancy", "PagedStrategy"]
+__all__ = ["BatchedStrategy", "Ended", "EngineRequest", "Occupancy", "PagedStrategy", "StepCacheBudget"]

@@ -203,6 +203,10 @@ class DistributedPipeline:
     def decode(self, jobs: Sequence[Job]) -> list[object]:
         return self.local.decode(jobs)
 
+    def step_cache_bytes(self, job: Job) -> int:
+        """What ``job``'s step cache holds on each rank (rank 0's bound; the admission's ``StepCacheBudget``)."""
+        return self.local.step_cache_bytes(job)
+
     def release(self, jobs: Sequence[Job]) -> None:
         """Rank 0 releases now; the workers forget the request with the next command's ``live`` list."""
         self.local.release(jobs)

@@ -56,6 +56,7 @@ def info(
         variant="flux.1-dev" if dev else "flux.1-schnell",
         task="text-to-image",
         accepts=FAMILY_ACCEPTS,
+        transformer_blocks=transformer_config.get("num_layers", 19) + transformer_config.get("num_single_layers", 38),
         image=ImageLimits(
             sizes=((side, side),),
             size_range=SizeRange(multiple=multiple, min_side=multiple, max_side=2 * side),

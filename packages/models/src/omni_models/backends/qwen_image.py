@@ -52,6 +52,7 @@ def info(
         variant="qwen-image",
         task="text-to-image",
         accepts=FAMILY_ACCEPTS,
+        transformer_blocks=transformer_config.get("num_layers", 60),
         image=ImageLimits(
             sizes=((side, side),),
             size_range=SizeRange(multiple=multiple, min_side=multiple, max_side=2 * side),
