@@ -1,11 +1,12 @@
-"""omni-flux-shapes-tiny on the CPU: the same images through diffusers, omni and the CLI; reordered prompts.
+"""omni-flux-shapes-tiny on the CPU: the same images through diffusers, omni, the CLI and HTTP; reordered prompts.
 
     python benchmarks/flux_shapes_checks.py --out DIR [--scenes 16] [--phrasing-steps 8]
 
 1. Parity at the model's defaults (28 steps, embedded guidance 3.5, 64x64, fp32): each prompt of ``PARITY`` from
    its seed through diffusers' own ``FluxPipeline``, through ``omni_models.load(dir)`` and its ``__call__``, and
-   through ``omni-server generate --model DIR`` (a subprocess writing a PNG); PSNR of omni and of the CLI against
-   diffusers (target >= 40 dB).
+   through ``omni-server generate --model DIR`` (a subprocess writing a PNG) and through ``omni-server serve DIR``
+   (one server process, ``POST /v1/images/generations`` by the official OpenAI SDK, ``seed`` in the body); PSNR
+   of omni, the CLI and HTTP against diffusers (target >= 40 dB).
 2. Reordered clauses: the first ``--scenes`` held-out scenes in every phrasing of
    ``benchmarks/prompt_phrasings.py`` (the published set), through omni, no prompt grammar (the family path has
    none; the model was trained on every clause order), seeds 10000 + i, default guidance.
@@ -15,9 +16,14 @@ Writes ``flux_shapes_checks.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.util
+import io
 import json
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,6 +89,58 @@ def cli_image(directory: Path, prompt: str, seed: int, workdir: Path) -> Image.I
     return Image.open(out).convert("RGB")
 
 
+class Server:
+    """``python -m omni_server serve DIRECTORY --device cpu`` in its own process session, on a free port."""
+
+    def __init__(self, directory: Path, workdir: Path) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.log = workdir / "server.log"
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "omni_server", "serve", str(directory), "--device", "cpu"]
+                + ["--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 600.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready: {self.log.read_text()[-3000:]}")
+
+    def image(self, prompt: str, seed: int) -> Image.Image:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=600, max_retries=0)
+        response = client.images.generate(
+            prompt=prompt, size=f"{SIZE}x{SIZE}", response_format="b64_json", extra_body={"seed": seed}
+        )
+        return Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))).convert("RGB")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
 def parity(directory: Path, pipe: omni_models.FamilyPipeline) -> list[dict]:
     from diffusers import FluxPipeline
 
@@ -90,6 +148,12 @@ def parity(directory: Path, pipe: omni_models.FamilyPipeline) -> list[dict]:
     reference.set_progress_bar_config(disable=True)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
+        server = Server(directory, Path(workdir))
+        try:
+            server.wait()
+            served = {seed: server.image(prompt, seed) for prompt, seed in PARITY}
+        finally:
+            server.stop()
         for prompt, seed in PARITY:
             expected = reference(
                 prompt, height=SIZE, width=SIZE, generator=torch.Generator("cpu").manual_seed(seed)
@@ -102,11 +166,12 @@ def parity(directory: Path, pipe: omni_models.FamilyPipeline) -> list[dict]:
                     "seed": seed,
                     "omni_vs_diffusers_db": psnr_db(omni, expected),
                     "cli_vs_diffusers_db": psnr_db(cli, expected),
+                    "http_vs_diffusers_db": psnr_db(served[seed], expected),
                 }
             )
             print(
                 f"{prompt!r} seed {seed}: against diffusers, omni {_db(rows[-1]['omni_vs_diffusers_db'])}, "
-                f"CLI {_db(rows[-1]['cli_vs_diffusers_db'])}",
+                f"CLI {_db(rows[-1]['cli_vs_diffusers_db'])}, HTTP {_db(rows[-1]['http_vs_diffusers_db'])}",
                 flush=True,
             )
     return rows
@@ -150,7 +215,8 @@ def main() -> int:
     record["seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "flux_shapes_checks.json").write_text(json.dumps(record, indent=1) + "\n")
-    figures = [r[key] for r in record["parity"] for key in ("omni_vs_diffusers_db", "cli_vs_diffusers_db")]
+    keys = ("omni_vs_diffusers_db", "cli_vs_diffusers_db", "http_vs_diffusers_db")
+    figures = [r[key] for r in record["parity"] for key in keys]
     return 0 if all(f is None or f >= 40 for f in figures) else 1
 
 

@@ -32,11 +32,12 @@ PARITY_SEED = 7
 PARITY_STEPS = 8
 TARGET_DB = 40.0
 # CPU check of adherence: the first held-out scenes at 8 steps, default guidance, seeds 10000 + i (the GPU
-# evaluation's). Measured on this subset: see ADHERENCE_MEASURED; the bound allows two attribute readings of the
-# 32 to flip (CPU BLAS differences can move a borderline image).
+# evaluation's). Measured on this subset on the CPU (fp32, 2026-12-02, the second model): 0.96875, one shape of 8
+# misread (the GPU evaluation of all 200 at 8 steps: 0.970). The bound allows two more attribute readings of the
+# 32 to flip (CPU BLAS differences can move a borderline image): 0.90625, where the first model measured 0.8125.
 ADHERENCE_SCENES = 8
 ADHERENCE_STEPS = 8
-ADHERENCE_MEASURED = 0.8125
+ADHERENCE_MEASURED = 0.96875
 MIN_ADHERENCE = ADHERENCE_MEASURED - 2 / (4 * ADHERENCE_SCENES)
 
 # Runs in `python -I` from an empty directory: only the installed diffusers/transformers/torch are importable
@@ -95,7 +96,8 @@ def test_shipped_checkpoint_is_flux_dev_architecture_and_small():
     assert index["_class_name"] == "FluxPipeline" and index["text_encoder_2"] == ["transformers", "T5EncoderModel"]
     scheduler = json.loads((SHIPPED / "scheduler" / "scheduler_config.json").read_text())
     assert scheduler["use_dynamic_shifting"] is True
-    assert sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file()) <= 15 * 10**6
+    assert vae["block_out_channels"] and 2 ** (len(vae["block_out_channels"]) - 1) == flux_shapes.VAE_SCALE_FACTOR
+    assert sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file()) <= 40 * 10**6  # the cap
     for path in SHIPPED.glob("*/*.safetensors"):  # stored in fp16; both pipelines load it in the dtype asked for
         with safe_open(str(path), "pt") as weights:
             assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"F16"}, path
