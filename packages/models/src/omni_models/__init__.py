@@ -23,8 +23,9 @@ __version__ = "0.7.0"
 if TYPE_CHECKING:
     from omni_models.contract import Job, PagedPipeline, StepwisePipeline
     from omni_models.families import FamilyJob, FamilyPipeline
+    from omni_models.lora import LoRAError, LoRAOptions
     from omni_models.pipeline import Pipeline
-    from omni_models.registry import LoadOptions, inspect, load
+    from omni_models.registry import LoadOptions, inspect, inspect_lora, load
     from omni_models.request import GenerationRequest, ResolvedRequest, resolve_request
     from omni_models.runner import GenerationJob
     from omni_models.spec import AudioLimits, Capabilities, ImageLimits, ModelInfo, ModelSpec, SizeRange
@@ -37,7 +38,10 @@ _LAZY = {
     "FamilyPipeline": "omni_models.families",
     "Pipeline": "omni_models.pipeline",
     "LoadOptions": "omni_models.registry",
+    "LoRAError": "omni_models.lora",
+    "LoRAOptions": "omni_models.lora",
     "inspect": "omni_models.registry",
+    "inspect_lora": "omni_models.registry",
     "load": "omni_models.registry",
     "GenerationRequest": "omni_models.request",
     "ResolvedRequest": "omni_models.request",
@@ -74,6 +78,8 @@ __all__ = [
     "InvalidRequestError",
     "Job",
     "LoadOptions",
+    "LoRAError",
+    "LoRAOptions",
     "MissingDependencyError",
     "ModelInfo",
     "ModelSpec",
@@ -84,6 +90,7 @@ __all__ = [
     "StepwisePipeline",
     "__version__",
     "inspect",
+    "inspect_lora",
     "load",
     "resolve_request",
 ]

@@ -384,6 +384,7 @@ def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> Model
             cfg_parallel=True,
             sequence_parallel=family.sequence_parallel,
             attention_heads=int(transformer.get("num_attention_heads", 1)),
+            lora=True,
         ),
     )
 
@@ -395,6 +396,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
     stays high precision): from ``options.fp8_cache_dir`` when it holds a current artifact (a warm start reads only
     the cache, never the bf16 shards; a miss quantizes and publishes it), else online. ``options.layerwise_offload``
     keeps the transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
+    ``options.lora`` adds LoRA slots and hooks on the transformer's linears, after FP8 and offload
+    (``pipe.lora``: ``omni_models.lora_files.enable_family_lora``).
     """
     unsupported = [
         name
@@ -443,7 +446,7 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
                 device=device,
                 use_allgather=False,
             )
-        return build_family_pipeline(
+        pipeline = build_family_pipeline(
             family,
             {**host_components, **loaded},
             name=name,
@@ -453,6 +456,11 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
             offload=offload,
             fp8=fp8,
         )
+        if options.lora is not None:
+            from omni_models.lora_files import enable_family_lora
+
+            enable_family_lora(pipeline, family, options.lora)
+        return pipeline
     except BaseException:
         loaded.clear()  # drop every component loaded so far, so a failed load leaves no device memory behind
         gc.collect()

@@ -22,6 +22,10 @@ and the same seed gives the image diffusers draws with ``generator=torch.Generat
    requests, be at different step indices and use different guidance.
 4. ``decode(jobs)`` returns their images (one VAE decode per distinct size).
 
+LoRA (``pipeline.lora``, an ``omni_models.lora.LoRARuntime`` when loaded with ``lora=LoRAOptions(...)``): a request
+names a registered adapter (``lora``) and a ``lora_scale``; its job holds the adapter, and each forward applies
+every row's own adapter (a forward holds at most ``max_loras`` distinct adapters; more are split over forwards).
+
 Guidance (``omni_models.request``): ``guidance_scale`` is the model's guidance. For a family with embedded guidance
 (FLUX.1-dev) it is the transformer's guidance input and ``true_cfg_scale`` adds classifier-free guidance on top;
 for the others (Qwen-Image, FLUX.1-schnell) ``guidance_scale`` is the true-CFG scale. True CFG runs (a cond and an
@@ -46,12 +50,14 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from omni_models.errors import InvalidRequestError
 from omni_models.request import ResolvedRequest, prepare_one_call
 from omni_models.spec import ModelInfo
 
 if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
     from fp8_cache import QuantizationReport
+    from omni_models.lora import LoRAAdapter, LoRARuntime
     from omni_models.parallel import ParallelState
 
 ComponentKind = Literal["model", "tokenizer", "scheduler"]
@@ -64,6 +70,7 @@ FAMILY_ACCEPTS = (
     "true_cfg_scale",
     "n",
     "seed",
+    "lora",
 )
 
 
@@ -160,7 +167,8 @@ class FamilyJob:
     """The mutable state of one image. Invariant: ``latents`` is the sampler state after ``step_index`` steps.
 
     ``request`` is this image's own request (``n == 1``, its own seed); ``guidance`` the embedded guidance input
-    (None for families without it) and ``true_cfg_scale`` the classifier-free scale, as the family maps them.
+    (None for families without it) and ``true_cfg_scale`` the classifier-free scale, as the family maps them;
+    ``lora`` the adapter its rows use (held until ``release``) at ``request.lora_scale``.
     """
 
     request: ResolvedRequest
@@ -172,6 +180,7 @@ class FamilyJob:
     timesteps: Tensor  # float32 [num_steps], CPU, what the transformer sees (x 1/1000)
     step_index: int = 0
     request_id: str | None = field(default=None)
+    lora: LoRAAdapter | None = None
 
     @property
     def num_steps(self) -> int:
@@ -326,6 +335,7 @@ class FamilyPipeline:
         self.dtype = dtype
         self.offload = offload
         self.fp8 = fp8
+        self.lora: LoRARuntime | None = None  # set by omni_models.lora_files.enable_family_lora
 
     @property
     def transformer(self) -> nn.Module:
@@ -344,6 +354,7 @@ class FamilyPipeline:
             guidance, cfg = None, request.guidance_scale
         assert cfg is not None
         guided = request.negative_prompt is not None and cfg > 1.0
+        adapter = self._adapter(request.lora)
         conditioning = PromptConditioning(request.prompt, request.negative_prompt if guided else None)
         sigmas, timesteps = self.backend.schedule(request.num_inference_steps, request.height, request.width)
         jobs = []
@@ -359,9 +370,23 @@ class FamilyPipeline:
                     sigmas=sigmas,
                     timesteps=timesteps,
                     request_id=request_id,
+                    lora=adapter,
                 )
             )
         return jobs
+
+    def _adapter(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        adapter = None if self.lora is None else self.lora.get(name)
+        if adapter is None:
+            served = "" if self.lora is None else ", ".join(a.name for a in self.lora.adapters())
+            raise InvalidRequestError(
+                f"no LoRA adapter named {name!r} is loaded"
+                + (f"; loaded: {served}" if served else " (this pipeline serves none)"),
+                param="model",
+            )
+        return adapter
 
     @torch.no_grad()
     def start(self, jobs: Sequence[FamilyJob]) -> None:
@@ -402,22 +427,38 @@ class FamilyPipeline:
         by_size: dict[tuple[int, int], list[FamilyJob]] = defaultdict(list)
         for job in jobs:
             by_size[job.size].append(job)
-        for (height, width), group in by_size.items():
-            rows = []
-            for job in group:
-                conditioning = job.conditioning
-                timestep = job.timesteps[job.step_index]
-                rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance))
-                if job.guided:
-                    rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance))
-            velocities = iter(self.backend.forward(rows, height, width))
-            for job in group:
-                velocity = next(velocities)
-                if job.guided:
-                    velocity = self.backend.guide(velocity, next(velocities), job.true_cfg_scale)
-                i = job.step_index
-                job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
-                job.step_index += 1
+        for (height, width), jobs_of_size in by_size.items():
+            for group in self._lora_groups(jobs_of_size):
+                self._step_group(group, height, width)
+
+    def _lora_groups(self, jobs: list[FamilyJob]) -> list[list[FamilyJob]]:
+        if self.lora is None:
+            return [jobs]
+        return [[jobs[i] for i in part] for part in self.lora.partition([job.lora for job in jobs])]
+
+    def _step_group(self, group: Sequence[FamilyJob], height: int, width: int) -> None:
+        rows = []
+        for job in group:
+            conditioning = job.conditioning
+            timestep = job.timesteps[job.step_index]
+            rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance))
+            if job.guided:
+                rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance))
+        if self.lora is None:
+            output = self.backend.forward(rows, height, width)
+        else:
+            adapters = [job.lora for job in group for _ in range(job.num_rows)]
+            scales = [job.request.lora_scale for job in group for _ in range(job.num_rows)]
+            with self.lora.rows(adapters, scales):
+                output = self.backend.forward(rows, height, width)
+        velocities = iter(output)
+        for job in group:
+            velocity = next(velocities)
+            if job.guided:
+                velocity = self.backend.guide(velocity, next(velocities), job.true_cfg_scale)
+            i = job.step_index
+            job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
+            job.step_index += 1
 
     @torch.no_grad()
     def decode(self, jobs: Sequence[FamilyJob]) -> list[Image.Image]:
@@ -436,9 +477,10 @@ class FamilyPipeline:
         return images  # type: ignore[return-value]
 
     def release(self, jobs: Sequence[FamilyJob]) -> None:
-        """Drop the jobs' text embeddings (the request's conditioning is shared by its jobs)."""
+        """Drop the jobs' text embeddings (the request's conditioning is shared by its jobs) and adapters."""
         for job in jobs:
             job.conditioning.cond = job.conditioning.uncond = None
+            job.lora = None
 
     def close(self) -> None:
         """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""
@@ -463,12 +505,15 @@ class FamilyPipeline:
         width: int | None = None,
         num_images_per_prompt: int = 1,
         callback_on_step_end: Callable[[FamilyPipeline, int, Tensor, dict[str, Any]], Any] | None = None,
+        lora: str | None = None,
+        lora_scale: float | None = None,
     ) -> list[Image.Image]:
         """Images for each prompt, ``num_images_per_prompt`` each, seeds consecutive from ``seed``.
 
         ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, S, C]})`` observes every step.
         Every prompt is validated before the model runs. ``negative_prompt=None`` means none (diffusers' default),
-        not the model's default negative prompt that servers use.
+        not the model's default negative prompt that servers use. ``lora``: a registered adapter's name (see
+        ``self.lora``), at ``lora_scale`` (default 1).
         """
         jobs = prepare_one_call(
             self,
@@ -481,6 +526,8 @@ class FamilyPipeline:
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             true_cfg_scale=true_cfg_scale,
+            lora=lora,
+            lora_scale=lora_scale,
         )
         self.start(jobs)
         for step in range(jobs[0].num_steps):

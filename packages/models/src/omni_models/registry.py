@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from omni_models.contract import StepwisePipeline
+    from omni_models.lora import LoRAOptions, LoRAWeights
     from omni_models.spec import ModelSpec
 
 AttentionBackend = Literal["paged", "dense"]
@@ -76,6 +77,7 @@ class LoadOptions:
     attention_backend: AttentionBackend | None = None  # omni-dit only: "paged" (default) or "dense"
     cuda_graphs: bool = False  # omni-dit only
     max_sequence_length: int | None = None  # diffusers families: prompt tokens the text encoder reads
+    lora: LoRAOptions | None = None  # diffusers families: serve LoRA adapters per request (``pipeline.lora``)
 
     def __post_init__(self) -> None:
         check_load_options(
@@ -160,6 +162,7 @@ def load(
     attention_backend: AttentionBackend | None = None,
     cuda_graphs: bool = False,
     max_sequence_length: int | None = None,
+    lora: LoRAOptions | None = None,
     allow_download: bool = False,
 ) -> StepwisePipeline:
     """Load any model omni knows (shipped name, local directory, or a Hugging Face repo id from the local cache
@@ -170,8 +173,9 @@ def load(
     ``layerwise_offload`` keeps the repeated blocks in host memory and streams them to the device
     (``offload_resident_blocks`` leading blocks stay; ``offload_allgather`` shards them over the ranks of
     ``offload_group``, a ``ParallelState.offload_group``). ``attention_backend`` and ``cuda_graphs`` apply to the
-    causal-prefix DiT, ``max_sequence_length`` to the diffusers families. A bad checkpoint raises ``CheckpointError``
-    before anything is placed on ``device``.
+    causal-prefix DiT, ``max_sequence_length`` to the diffusers families. ``lora`` (``omni_models.lora.LoRAOptions``)
+    gives a diffusers family's pipeline ``pipeline.lora``, where adapters are registered and then named per request.
+    A bad checkpoint raises ``CheckpointError`` before anything is placed on ``device``.
     """
     import torch
 
@@ -189,8 +193,23 @@ def load(
         attention_backend=attention_backend,
         cuda_graphs=cuda_graphs,
         max_sequence_length=max_sequence_length,
+        lora=lora,
     )
     return kind_of(directory).module().load(directory, name_or_path, options)
 
 
-__all__ = ["KINDS", "LoadOptions", "ModelKind", "check_load_options", "inspect", "kind_of", "load"]
+def inspect_lora(name_or_path: str, lora_path: str | Path, *, max_rank: int) -> LoRAWeights:
+    """Read a LoRA adapter file and check it against a model's metadata without loading the model (what a server
+    checks at start). Raises ``omni_models.lora.LoRAError`` (one line: the file and the problem), also for a model
+    kind that takes no adapters."""
+    from omni_models.lora import LoRAError
+
+    directory = resolve_model_dir(name_or_path)
+    kind = kind_of(directory)
+    module = kind.module()
+    if not hasattr(module, "inspect_lora"):
+        raise LoRAError(lora_path, f"{name_or_path} is an {kind.name} model, which takes no LoRA adapters")
+    return module.inspect_lora(directory, Path(lora_path), max_rank=max_rank)
+
+
+__all__ = ["KINDS", "LoadOptions", "ModelKind", "check_load_options", "inspect", "inspect_lora", "kind_of", "load"]

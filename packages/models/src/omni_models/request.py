@@ -14,6 +14,9 @@ What the fields mean, for every model kind:
 - ``negative_prompt``: unset means the model's default negative prompt; ``None`` means none.
 - image ``i`` of a request uses seed ``seed + i``.
 - music: ``prompt`` is the caption, ``lyrics`` the structure-tagged lyrics, ``max_new_tokens`` a cap on frames.
+- ``lora`` names a LoRA adapter the pipeline serves (a server maps ``model: "<adapter name>"`` onto it);
+  ``lora_scale`` (default 1) multiplies its delta, as diffusers' ``set_adapters([name], [scale])``. Which adapters
+  exist is the pipeline's state, checked by its ``prepare``; the scale is checked here.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import msgspec
 
 from omni_models.errors import InvalidRequestError
-from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_SEED, draw_seed
+from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED, draw_seed
 from omni_models.spec import ModelInfo
 
 
@@ -44,6 +47,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     seed: int | None = None
     lyrics: str | None = None
     max_new_tokens: int | None = None
+    lora: str | None = None
+    lora_scale: float | None = None
 
 
 class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +66,8 @@ class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     lyrics: str | None = None
     max_new_tokens: int | None = None
+    lora: str | None = None
+    lora_scale: float = 1.0
 
 
 # The request fields ``ModelInfo.accepts`` names, and the attribute each is set through (``size``: two).
@@ -73,6 +80,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "true_cfg_scale": ("true_cfg_scale",),
     "lyrics": ("lyrics",),
     "max_new_tokens": ("max_new_tokens",),
+    "lora": ("lora", "lora_scale"),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1}
 
@@ -157,6 +165,7 @@ def resolve_request(
         else _text(negative, "negative_prompt", required=False)
     )
     guidance, true_cfg = _guidance(info, request)
+    lora, lora_scale = _lora(request)
     return ResolvedRequest(
         prompt=prompt,
         negative_prompt=negative,
@@ -167,7 +176,33 @@ def resolve_request(
         guidance_scale=guidance,
         true_cfg_scale=true_cfg,
         seed=_seed(request.seed, n, MAX_SEED, rng),
+        lora=lora,
+        lora_scale=lora_scale,
     )
+
+
+def _lora(request: GenerationRequest) -> tuple[str | None, float]:
+    """(adapter name, scale): a scale needs an adapter; the scale is finite, within +-``MAX_LORA_SCALE``."""
+    name, scale = request.lora, request.lora_scale
+    if name is not None and (not isinstance(name, str) or not name):
+        raise InvalidRequestError(f"lora must name a LoRA adapter, got {name!r}", param="model")
+    if scale is None:
+        return name, 1.0
+    if name is None:
+        raise InvalidRequestError(
+            "lora_scale applies to a LoRA adapter; select one with model=<adapter name>", param="lora_scale"
+        )
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or abs(scale) > MAX_LORA_SCALE
+    ):
+        raise InvalidRequestError(
+            f"lora_scale must be a finite number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got {scale!r}",
+            param="lora_scale",
+        )
+    return name, float(scale)
 
 
 def _guidance(info: ModelInfo, request: GenerationRequest) -> tuple[float, float | None]:

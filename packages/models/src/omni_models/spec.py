@@ -124,6 +124,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     cfg_parallel: bool
     sequence_parallel: bool
     attention_heads: int | None = None
+    lora: bool = False  # serves LoRA adapters per request (``omni_models.lora``)
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,6 +46,7 @@ def load(directory: Path, name: str, options: LoadOptions) -> MusicPipeline:
             ("attention_backend", options.attention_backend is not None),
             ("cuda_graphs", options.cuda_graphs),
             ("max_sequence_length", options.max_sequence_length is not None),
+            ("lora", options.lora is not None),
         )
         if given
     ]
