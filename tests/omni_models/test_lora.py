@@ -79,11 +79,22 @@ def test_kernels_match_the_reference_and_leave_rows_without_an_adapter_untouched
         scaling = torch.tensor([0.5, 2.0, 1.0])
         y = torch.randn(4, 7, 24, generator=generator).to(dtype)
         rows = LoRARows(torch.tensor([2, -1, 0, 2], dtype=torch.int32), torch.tensor([1.0, 1.0, 0.5, -1.5]))
-        reference = lora_add(y.clone(), x, down, up, scaling, rows, backend="torch")
-        kernel = lora_add(y.clone(), x, down, up, scaling, rows, backend="triton")
+        reference = lora_add(y.clone(), x, down, up, scaling, rows, triton=False)
+        kernel = lora_add(y.clone(), x, down, up, scaling, rows, triton=True)
         assert (kernel.float() - reference.float()).abs().max() <= tolerance * reference.float().abs().max()
         assert torch.equal(kernel[1], y[1]) and torch.equal(reference[1], y[1])
         assert not torch.equal(kernel[0], y[0])
+    # Under torch.compile the kernels are one opaque op: one whole graph, and new row tables never recompile it.
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda y, rows: lora_add(y, x, down, up, scaling, rows, triton=True), backend="aot_eager", fullgraph=True
+    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for slots in ([0, 1, 2, -1], [-1, -1, -1, -1], [2, 2, 2, 2]):
+            rows = LoRARows(torch.tensor(slots, dtype=torch.int32), torch.ones(4))
+            expected = lora_add(y.clone(), x, down, up, scaling, rows, triton=False)
+            assert (compiled(y.clone(), rows).float() - expected.float()).abs().max() <= tolerance * 10
+    torch._dynamo.reset()
 
 
 def test_flux_adapter_matches_diffusers_load_lora_weights(flux, flux_reference, flux_adapters, psnr):

@@ -157,11 +157,13 @@ def _kernels():
     return _lora_triton
 
 
-def _use_triton(backend: Backend, x: Tensor) -> bool:
+def use_triton(backend: Backend, device: torch.device) -> bool:
+    """Whether ``backend`` runs the Triton kernels on ``device`` ("auto": on CUDA when Triton imports); decided
+    once, outside any compiled region."""
     if backend == "torch":
         return False
     if backend == "triton":
-        if x.device.type != "cuda" and not triton_interpreter_active():
+        if device.type != "cuda" and not triton_interpreter_active():
             raise ValueError(
                 "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "omni_models._lora_triton is imported, or use backend='torch'"
@@ -171,7 +173,7 @@ def _use_triton(backend: Backend, x: Tensor) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    return x.device.type == "cuda" and not torch.is_grad_enabled() and _kernels() is not None
+    return device.type == "cuda" and _kernels() is not None
 
 
 def lora_delta_reference(x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, slots: Tensor, scales: Tensor) -> Tensor:
@@ -186,6 +188,20 @@ def lora_delta_reference(x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, s
     return expanded * factor.to(expanded.dtype)[:, None, None]
 
 
+# The kernels as one opaque op that updates ``y`` in place, so ``torch.compile`` keeps the served graph whole
+# (no graph break) whatever launches them (compiled Triton on CUDA, the interpreter in CPU tests).
+@torch.library.custom_op("omni_models::lora_shrink_expand", mutates_args=("y",))
+def _lora_shrink_expand(
+    y: Tensor, x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, slots: Tensor, scales: Tensor
+) -> None:
+    _kernels().lora_shrink_expand(y.view(x.shape[0], -1, y.shape[-1]), x, down, up, scaling, slots, scales)
+
+
+@_lora_shrink_expand.register_fake
+def _(y: Tensor, x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, slots: Tensor, scales: Tensor) -> None:
+    return None
+
+
 def lora_add(
     y: Tensor,
     x: Tensor,
@@ -194,11 +210,11 @@ def lora_add(
     scaling: Tensor,
     rows: LoRARows,
     *,
-    backend: Backend = "auto",
+    triton: bool,
 ) -> Tensor:
     """``y`` (a linear's output ``[B, ..., out]`` for input ``x`` ``[B, ..., in]``) plus each row's LoRA delta
-    (``lora_delta_reference``). The Triton path adds in place and returns ``y``; the reference returns a new
-    tensor."""
+    (``lora_delta_reference``). ``triton`` (``use_triton``): the kernels add in place and return ``y``; else the
+    reference returns a new tensor."""
     batch = x.shape[0]
     if batch != rows.num_rows:
         raise ValueError(
@@ -206,9 +222,8 @@ def lora_add(
             "dimension is not the batch of rows"
         )
     x3 = x.reshape(batch, -1, x.shape[-1])
-    if _use_triton(backend, x):
-        y3 = y.view(batch, -1, y.shape[-1])
-        _kernels().lora_shrink_expand(y3, x3.contiguous(), down, up, scaling, rows.slots, rows.scales)
+    if triton:
+        _lora_shrink_expand(y, x3.contiguous(), down, up, scaling, rows.slots, rows.scales)
         return y
     delta = lora_delta_reference(x3, down, up, scaling, rows.slots, rows.scales)
     return y + delta.view(y.shape).to(y.dtype)
@@ -300,9 +315,9 @@ class LoRARuntime:
     ) -> None:
         self.options = options
         self.rank = padded_rank(options.max_rank)
-        self.backend: Backend = backend
         self._read = read
         self._device = device
+        self.backend = backend
         self._registry: dict[str, LoRAAdapter] = {}
         self._host: OrderedDict[int, tuple[LoRAAdapter, LoRAWeights]] = OrderedDict()  # id(adapter) -> weights
         self._slots = [_Slot() for _ in range(options.max_loras)]
@@ -331,12 +346,22 @@ class LoRARuntime:
             device,
         )
 
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        """``"auto"`` (Triton on CUDA, the torch reference elsewhere), ``"torch"`` or ``"triton"``."""
+        self._triton = use_triton(backend, self._device)
+        self._backend = backend
+
     def _hook(self, slots: TargetSlots) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
         def add_lora(_module: nn.Module, args: tuple, output: Tensor) -> Tensor:
             rows = self._rows
             if rows is None:  # a forward outside ``rows()``: the base model alone
                 return output
-            return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, backend=self.backend)
+            return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=self._triton)
 
         return add_lora
 
@@ -500,4 +525,5 @@ __all__ = [
     "lora_delta_reference",
     "lora_targets",
     "padded_rank",
+    "use_triton",
 ]

@@ -13,6 +13,9 @@ iteration (``step``):
 4. the strategy reports every request that ended (completed, aborted, failed); each gets its one
    ``RequestFinished`` and ``pipeline.release`` frees what the pipeline held for it.
 
+LoRA adapters are registered with the pipeline (``pipeline.lora``, ``omni_models.lora``) at load and by
+``update_lora`` between iterations; a request names one and its jobs hold it until released.
+
 Invariant: each added request produces exactly one ``RequestFinished`` (outputs or an error, an abort included),
 and an error in one request never stops the loop.
 """
@@ -32,9 +35,12 @@ from omni_server.protocol import (
     EngineOutput,
     EngineReady,
     EngineStats,
+    LoadLoRAAdapter,
+    LoRAAdapterUpdated,
     RequestError,
     RequestFinished,
     StepProgress,
+    UnloadLoRAAdapter,
 )
 from omni_server.strategies import BatchedStrategy, Ended, EngineRequest, PagedStrategy
 
@@ -209,6 +215,34 @@ class EngineCore:
         if request_id in self._live:
             self._strategy.abort(request_id)
 
+    def update_lora(self, command: LoadLoRAAdapter | UnloadLoRAAdapter) -> LoRAAdapterUpdated:
+        """Register or unregister an adapter; a refusal (bad file, name taken or unknown, LoRA off) changes
+        nothing and says why."""
+        from omni_models import LoRAError
+
+        lora = getattr(self.pipeline, "lora", None)
+        if lora is None:
+            error = RequestError(kind="invalid_request", message="this server does not serve LoRA (--enable-lora)")
+            return LoRAAdapterUpdated(call_id=command.call_id, error=error)
+        try:
+            if isinstance(command, LoadLoRAAdapter):
+                adapter = lora.register(command.name, command.path)
+                return LoRAAdapterUpdated(call_id=command.call_id, load_s=adapter.load_s)
+            lora.unregister(command.name)
+            return LoRAAdapterUpdated(call_id=command.call_id)
+        except LoRAError as exc:
+            error = RequestError(kind="invalid_request", message=str(exc), param="lora_path")
+        except KeyError:
+            error = RequestError(
+                kind="invalid_request",
+                message=f"no LoRA adapter named {command.name!r} is loaded",
+                param="lora_name",
+                code="lora_not_found",
+            )
+        except ValueError as exc:  # the name is taken
+            error = RequestError(kind="invalid_request", message=str(exc), param="lora_name")
+        return LoRAAdapterUpdated(call_id=command.call_id, error=error)
+
     def has_work(self) -> bool:
         return bool(self._outputs) or bool(self._live)
 
@@ -302,12 +336,18 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
     import torch
 
     import omni_models
-    from omni_server.startup import load_options
+    from omni_server.startup import load_options, lora_error, lora_options
 
     device = torch.device(config.resolved_device())
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    pipeline = omni_models.load(config.model, device=device, dtype=dtype, **{**load_options(config), **overrides})
+    options = {**load_options(config), "lora": lora_options(config), **overrides}
+    pipeline = omni_models.load(config.model, device=device, dtype=dtype, **options)
     logger.info("loaded %s (%s, %s) on %s", config.model, pipeline.info.family, pipeline.info.variant, device)
+    for module in config.lora_modules:  # checked at start already (check_startup); an error here stops the start
+        try:
+            pipeline.lora.register(module.name, module.path)
+        except omni_models.LoRAError as exc:
+            raise lora_error(module.name, exc) from None
     return pipeline
 
 
