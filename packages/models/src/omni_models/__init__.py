@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from omni_models.contract import Job, PagedPipeline, StepwisePipeline
     from omni_models.families import FamilyJob, FamilyPipeline
     from omni_models.input_images import InputImage, decode_input_image
+    from omni_models.lora import LoRAError, LoRAOptions
     from omni_models.pipeline import Pipeline
-    from omni_models.registry import LoadOptions, inspect, load
+    from omni_models.registry import LoadOptions, inspect, inspect_lora, load
     from omni_models.request import GenerationRequest, ResolvedRequest, resolve_request
     from omni_models.runner import GenerationJob
     from omni_models.spec import AudioLimits, Capabilities, ImageLimits, ModelInfo, ModelSpec, SizeRange
@@ -40,7 +41,10 @@ _LAZY = {
     "decode_input_image": "omni_models.input_images",
     "Pipeline": "omni_models.pipeline",
     "LoadOptions": "omni_models.registry",
+    "LoRAError": "omni_models.lora",
+    "LoRAOptions": "omni_models.lora",
     "inspect": "omni_models.registry",
+    "inspect_lora": "omni_models.registry",
     "load": "omni_models.registry",
     "GenerationRequest": "omni_models.request",
     "ResolvedRequest": "omni_models.request",
@@ -78,6 +82,8 @@ __all__ = [
     "InvalidRequestError",
     "Job",
     "LoadOptions",
+    "LoRAError",
+    "LoRAOptions",
     "MissingDependencyError",
     "ModelInfo",
     "ModelSpec",
@@ -89,6 +95,7 @@ __all__ = [
     "__version__",
     "decode_input_image",
     "inspect",
+    "inspect_lora",
     "load",
     "resolve_request",
 ]

@@ -395,6 +395,7 @@ def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> Model
             attention_heads=int(transformer.get("num_attention_heads", 1)),
             compile=True,
             prompt_embed_cache=True,
+            lora=True,
         ),
     )
 
@@ -408,6 +409,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
     keeps the transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
     ``options.compile`` compiles the repeated blocks and the VAE decoder (``FamilyPipeline.compile``; the first
     forward of each shape compiles); ``options.prompt_embed_cache_size`` keeps that many prompts' embeddings.
+    ``options.lora`` adds LoRA slots and hooks on the transformer's linears, after FP8 and offload
+    (``pipe.lora``: ``omni_models.lora_files.enable_family_lora``).
     """
     unsupported = [
         name
@@ -467,6 +470,10 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
             fp8=fp8,
             prompt_embed_cache_size=options.prompt_embed_cache_size,
         )
+        if options.lora is not None:
+            from omni_models.lora_files import enable_family_lora
+
+            enable_family_lora(pipeline, family, options.lora)
         if options.compile:
             from omni_models.compilation import CompileSettings
 

@@ -28,6 +28,10 @@ once for the request (shared by its ``n`` jobs, every step and both CFG rows), `
 whose output size and reference geometry agree share one forward, whichever request they come from; jobs without a
 reference (text to image on the same transformer) form their own group, since their sequences are shorter.
 
+LoRA (``pipeline.lora``, an ``omni_models.lora.LoRARuntime`` when loaded with ``lora=LoRAOptions(...)``): a request
+names a registered adapter (``lora``) and a ``lora_scale``; its job holds the adapter, and each forward applies
+every row's own adapter (a forward holds at most ``max_loras`` distinct adapters; more are split over forwards).
+
 Guidance (``omni_models.request``): ``guidance_scale`` is the model's guidance. For a family with embedded guidance
 (FLUX.1-dev) it is the transformer's guidance input and ``true_cfg_scale`` adds classifier-free guidance on top;
 for the others (Qwen-Image, FLUX.1-schnell) ``guidance_scale`` is the true-CFG scale. True CFG runs (a cond and an
@@ -52,6 +56,7 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from omni_models.errors import InvalidRequestError
 from omni_models.prompt_cache import PromptEmbeddingCache
 from omni_models.request import ResolvedRequest, prepare_one_call
 from omni_models.spec import ModelInfo
@@ -60,6 +65,7 @@ if TYPE_CHECKING:
     from dlo_offload import LayerwiseOffload
     from fp8_cache import QuantizationReport
     from omni_models.compilation import CompileSettings
+    from omni_models.lora import LoRAAdapter, LoRARuntime
     from omni_models.parallel import ParallelState
     from omni_models.step_cache_blocks import JobStepCache, TransformerBlockCache
 
@@ -74,6 +80,7 @@ FAMILY_ACCEPTS = (
     "n",
     "seed",
     "cache",
+    "lora",
 )
 
 
@@ -199,7 +206,8 @@ class FamilyJob:
     """The mutable state of one image. Invariant: ``latents`` is the sampler state after ``step_index`` steps.
 
     ``request`` is this image's own request (``n == 1``, its own seed); ``guidance`` the embedded guidance input
-    (None for families without it) and ``true_cfg_scale`` the classifier-free scale, as the family maps them.
+    (None for families without it) and ``true_cfg_scale`` the classifier-free scale, as the family maps them;
+    ``lora`` the adapter its rows use (held until ``release``) at ``request.lora_scale``.
     """
 
     request: ResolvedRequest
@@ -213,6 +221,7 @@ class FamilyJob:
     request_id: str | None = field(default=None)
     reference: ReferenceConditioning | None = None  # an edit's input images, shared by the request's jobs
     step_cache: JobStepCache | None = None  # the request's step cache state (``omni_models.step_cache_blocks``)
+    lora: LoRAAdapter | None = None
 
     @property
     def num_steps(self) -> int:
@@ -410,6 +419,7 @@ class FamilyPipeline:
         self.prompt_cache: PromptEmbeddingCache[TextEmbedding] = PromptEmbeddingCache(prompt_embed_cache_size)
         self.compiled: CompileSettings | None = None
         self._block_cache: TransformerBlockCache | None = None  # installed by the first step that caches
+        self.lora: LoRARuntime | None = None  # set by omni_models.lora_files.enable_family_lora
 
     @property
     def transformer(self) -> nn.Module:
@@ -428,6 +438,7 @@ class FamilyPipeline:
             guidance, cfg = None, request.guidance_scale
         assert cfg is not None
         guided = request.negative_prompt is not None and cfg > 1.0
+        adapter = self._adapter(request.lora)
         conditioning = PromptConditioning(request.prompt, request.negative_prompt if guided else None)
         sigmas, timesteps = self.backend.schedule(request.num_inference_steps, request.height, request.width)
         reference = self.backend.prepare_reference(request)
@@ -445,6 +456,7 @@ class FamilyPipeline:
                 timesteps=timesteps,
                 request_id=request_id,
                 reference=reference,
+                lora=adapter,
             )
             if request.cache is not None:
                 from omni_models.step_cache_blocks import JobStepCache
@@ -472,6 +484,19 @@ class FamilyPipeline:
         text_tokens = self.info.image.max_prompt_tokens
         streams = [(image_tokens * width, text_tokens * width)] * job.num_rows
         return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
+
+    def _adapter(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        adapter = None if self.lora is None else self.lora.get(name)
+        if adapter is None:
+            served = "" if self.lora is None else ", ".join(a.name for a in self.lora.adapters())
+            raise InvalidRequestError(
+                f"no LoRA adapter named {name!r} is loaded"
+                + (f"; loaded: {served}" if served else " (this pipeline serves none)"),
+                param="model",
+            )
+        return adapter
 
     @torch.no_grad()
     def start(self, jobs: Sequence[FamilyJob]) -> None:
@@ -518,24 +543,46 @@ class FamilyPipeline:
         by_key: dict[tuple[int, int, Any], list[FamilyJob]] = defaultdict(list)
         for job in jobs:
             by_key[job.batch_key].append(job)
-        for (height, width, _), group in by_key.items():
-            rows, caches = [], []
-            for job in group:
-                conditioning, reference = job.conditioning, job.reference
-                timestep = job.timesteps[job.step_index]
-                rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance, reference))
-                caches.append((job.step_cache, 0, job.step_index))
-                if job.guided:
-                    rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance, reference))
-                    caches.append((job.step_cache, 1, job.step_index))
-            velocities = iter(self._forward(rows, caches, height, width))
-            for job in group:
-                velocity = next(velocities)
-                if job.guided:
-                    velocity = self.backend.guide(velocity, next(velocities), job.true_cfg_scale)
-                i = job.step_index
-                job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
-                job.step_index += 1
+        for (height, width, _), jobs_of_key in by_key.items():
+            for group in self._lora_groups(jobs_of_key):
+                self._step_group(group, height, width)
+
+    def _lora_groups(self, jobs: list[FamilyJob]) -> list[list[FamilyJob]]:
+        """The forwards ``jobs`` take: one without LoRA; with it, at most ``max_loras`` adapters per forward, and one
+        job per forward when a step cache is in play (the cache runs its middle blocks on a subset of the rows,
+        while the adapter table is per row of the whole forward; one job's rows always decide together)."""
+        if self.lora is None:
+            return [jobs]
+        parts = [[jobs[i] for i in part] for part in self.lora.partition([job.lora for job in jobs])]
+        if any(job.step_cache is not None for job in jobs):
+            return [[job] for part in parts for job in part]
+        return parts
+
+    def _step_group(self, group: Sequence[FamilyJob], height: int, width: int) -> None:
+        rows, caches = [], []
+        for job in group:
+            conditioning, reference = job.conditioning, job.reference
+            timestep = job.timesteps[job.step_index]
+            rows.append(DenoiseRow(job.latents, conditioning.cond, timestep, job.guidance, reference))
+            caches.append((job.step_cache, 0, job.step_index))
+            if job.guided:
+                rows.append(DenoiseRow(job.latents, conditioning.uncond, timestep, job.guidance, reference))
+                caches.append((job.step_cache, 1, job.step_index))
+        if self.lora is None:
+            output = self._forward(rows, caches, height, width)
+        else:
+            adapters = [job.lora for job in group for _ in range(job.num_rows)]
+            scales = [job.request.lora_scale for job in group for _ in range(job.num_rows)]
+            with self.lora.rows(adapters, scales):
+                output = self._forward(rows, caches, height, width)
+        velocities = iter(output)
+        for job in group:
+            velocity = next(velocities)
+            if job.guided:
+                velocity = self.backend.guide(velocity, next(velocities), job.true_cfg_scale)
+            i = job.step_index
+            job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
+            job.step_index += 1
 
     def _forward(self, rows: list[DenoiseRow], caches: list, height: int, width: int) -> Tensor:
         """The backend's forward of ``rows``; rows whose job has a step cache skip the middle blocks on the steps
@@ -571,13 +618,15 @@ class FamilyPipeline:
         return images  # type: ignore[return-value]
 
     def release(self, jobs: Sequence[FamilyJob]) -> None:
-        """Drop the jobs' text embeddings and reference latents (shared by the request's jobs) and step caches."""
+        """Drop the jobs' text embeddings and reference latents (shared by the request's jobs), step caches and
+        adapters."""
         for job in jobs:
             job.conditioning.cond = job.conditioning.uncond = None
             if job.reference is not None:
                 job.reference.pixels = job.reference.latents = job.reference.ids = None
             if job.step_cache is not None:
                 job.step_cache.release()
+            job.lora = None
 
     def close(self) -> None:
         """Nothing outlives the pipeline object (a multi-rank pipeline stops its workers here)."""
@@ -603,13 +652,16 @@ class FamilyPipeline:
         num_images_per_prompt: int = 1,
         image: Image.Image | Sequence[Image.Image] | None = None,
         callback_on_step_end: Callable[[FamilyPipeline, int, Tensor, dict[str, Any]], Any] | None = None,
+        lora: str | None = None,
+        lora_scale: float | None = None,
     ) -> list[Image.Image]:
         """Images for each prompt, ``num_images_per_prompt`` each, seeds consecutive from ``seed``.
 
         ``callback_on_step_end(pipeline, step_index, timestep, {"latents": [B, S, C]})`` observes every step.
         ``image``: an edit family's input image(s) (``FluxKontextPipeline``'s ``image``; several are one reference).
         Every prompt is validated before the model runs. ``negative_prompt=None`` means none (diffusers' default),
-        not the model's default negative prompt that servers use.
+        not the model's default negative prompt that servers use. ``lora``: a registered adapter's name (see
+        ``self.lora``), at ``lora_scale`` (default 1).
         """
         jobs = prepare_one_call(
             self,
@@ -623,6 +675,8 @@ class FamilyPipeline:
             guidance_scale=guidance_scale,
             true_cfg_scale=true_cfg_scale,
             images=_input_images(image),
+            lora=lora,
+            lora_scale=lora_scale,
         )
         self.start(jobs)
         for step in range(jobs[0].num_steps):

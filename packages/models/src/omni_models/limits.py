@@ -16,6 +16,7 @@ MAX_GUIDANCE_SCALE = 100.0
 MAX_SEED = 2**63 - 1
 MAX_IMAGES_PER_REQUEST = 10
 MAX_INPUT_IMAGES = 4  # input images of one edit request (a model may take fewer)
+MAX_LORA_SCALE = 10.0  # |lora_scale|: diffusers takes any weight; past a few times the trained delta is noise
 # A request that names no seed gets one drawn from [0, SEED_DRAW_RANGE), by ``draw_seed`` only.
 SEED_DRAW_RANGE = 2**31 - 1
 

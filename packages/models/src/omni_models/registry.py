@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from omni_models.contract import StepwisePipeline
+    from omni_models.lora import LoRAOptions, LoRAWeights
     from omni_models.spec import ModelSpec
 
 AttentionBackend = Literal["paged", "dense"]
@@ -83,6 +84,7 @@ class LoadOptions:
     compile_backend: str = "inductor"
     compile_cache_dir: Path | None = None  # inductor's FX graph / AOTAutograd caches, reused by a restart
     prompt_embed_cache_size: int = 0  # diffusers families: prompts whose text embeddings stay cached (LRU)
+    lora: LoRAOptions | None = None  # diffusers families: serve LoRA adapters per request (``pipeline.lora``)
 
     def __post_init__(self) -> None:
         check_load_options(
@@ -199,13 +201,14 @@ def load(
     compile_backend: str = "inductor",
     compile_cache_dir: str | Path | None = None,
     prompt_embed_cache_size: int = 0,
+    lora: LoRAOptions | None = None,
     allow_download: bool = False,
 ) -> StepwisePipeline:
     """Load any model omni knows (shipped name, local directory, or a Hugging Face repo id from the local cache
     only, unless ``allow_download``) as a pipeline implementing ``omni_models.contract.StepwisePipeline``.
 
-    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA. ``quantization="fp8"`` swaps eligible linears for
-    FP8 linears, read from ``fp8_cache_dir`` when it holds a current artifact (a miss quantizes and publishes it);
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA. ``quantization="fp8"`` swaps eligible linears for FP8
+    linears, read from ``fp8_cache_dir`` when it holds a current artifact (a miss quantizes and publishes it);
     ``layerwise_offload`` keeps the repeated blocks in host memory and streams them to the device
     (``offload_resident_blocks`` leading blocks stay; ``offload_allgather`` shards them over the ranks of
     ``offload_group``, a ``ParallelState.offload_group``). ``attention_backend`` and ``cuda_graphs`` apply to the
@@ -213,9 +216,9 @@ def load(
     (``omni_models.compilation``: the families' repeated blocks and VAE decoder with ``torch.compile``, the DiT's
     CUDA graphs; ``ModelSpec.capabilities.compile`` says whether a kind can), keeping inductor's caches in
     ``compile_cache_dir`` when given. ``prompt_embed_cache_size`` keeps that many prompts' text embeddings (the
-    families; LRU, ``omni_models.prompt_cache``). A bad checkpoint raises ``CheckpointError`` before anything is
-    placed on ``device``.
-    """
+    families; LRU, ``omni_models.prompt_cache``). ``lora`` (``omni_models.lora.LoRAOptions``) gives a diffusers
+    family's pipeline ``pipeline.lora``, where adapters are registered and then named per request. A bad checkpoint
+    raises ``CheckpointError`` before anything is placed on ``device``."""
     import torch
 
     directory = resolve_model_dir(name_or_path, allow_download=allow_download)
@@ -236,12 +239,27 @@ def load(
         compile_backend=compile_backend,
         compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
         prompt_embed_cache_size=prompt_embed_cache_size,
+        lora=lora,
     )
     if options.compile_cache_dir is not None:
         from omni_models.compilation import use_compile_cache
 
         use_compile_cache(options.compile_cache_dir)
     return kind_of(directory).module().load(directory, name_or_path, options)
+
+
+def inspect_lora(name_or_path: str, lora_path: str | Path, *, max_rank: int) -> LoRAWeights:
+    """Read a LoRA adapter file and check it against a model's metadata without loading the model (what a server
+    checks at start). Raises ``omni_models.lora.LoRAError`` (one line: the file and the problem), also for a model
+    kind that takes no adapters."""
+    from omni_models.lora import LoRAError
+
+    directory = resolve_model_dir(name_or_path)
+    kind = kind_of(directory)
+    module = kind.module()
+    if not hasattr(module, "inspect_lora"):
+        raise LoRAError(lora_path, f"{name_or_path} is an {kind.name} model, which takes no LoRA adapters")
+    return module.inspect_lora(directory, Path(lora_path), max_rank=max_rank)
 
 
 __all__ = [
@@ -251,6 +269,7 @@ __all__ = [
     "check_compile_options",
     "check_load_options",
     "inspect",
+    "inspect_lora",
     "kind_of",
     "load",
 ]

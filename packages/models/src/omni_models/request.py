@@ -20,6 +20,9 @@ What the fields mean, for every model kind:
 - ``cache``: the request's step cache (``omni_models.step_cache``): a preset name (``"off"``, ``"safe"``,
   ``"fast"``) or an object of knobs; unset: the caller's default (the server's ``--step-cache``). Resolved to a
   ``StepCacheConfig``, or None when off.
+- ``lora`` names a LoRA adapter the pipeline serves (a server maps ``model: "<adapter name>"`` onto it);
+  ``lora_scale`` (default 1) multiplies its delta, as diffusers' ``set_adapters([name], [scale])``. Which adapters
+  exist is the pipeline's state, checked by its ``prepare``; the scale is checked here.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import msgspec
 
 from omni_models.errors import InvalidRequestError
 from omni_models.input_images import InputImage
-from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_SEED, draw_seed
+from omni_models.limits import MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED, draw_seed
 from omni_models.spec import ModelInfo
 from omni_models.step_cache import OFF, StepCacheConfig, parse_step_cache
 
@@ -54,6 +57,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     max_new_tokens: int | None = None
     images: tuple[InputImage, ...] = ()
     cache: str | dict[str, Any] | None = None
+    lora: str | None = None
+    lora_scale: float | None = None
 
 
 class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +78,8 @@ class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: int | None = None
     images: tuple[InputImage, ...] = ()
     cache: StepCacheConfig | None = None  # None: no step cache
+    lora: str | None = None
+    lora_scale: float = 1.0
 
 
 # The request fields ``ModelInfo.accepts`` names, and the attribute each is set through (``size``: two).
@@ -87,6 +94,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "max_new_tokens": ("max_new_tokens",),
     "image": ("images",),
     "cache": ("cache",),
+    "lora": ("lora", "lora_scale"),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "image": ()}
 
@@ -190,6 +198,7 @@ def resolve_request(
         cache = parse_step_cache(
             request.cache, num_blocks=info.transformer_blocks, num_steps=steps, default=default_cache
         )
+    lora, lora_scale = _lora(request)
     return ResolvedRequest(
         prompt=prompt,
         negative_prompt=negative,
@@ -202,7 +211,33 @@ def resolve_request(
         seed=_seed(request.seed, n, MAX_SEED, rng),
         images=images,
         cache=cache if cache is not None and cache.enabled else None,
+        lora=lora,
+        lora_scale=lora_scale,
     )
+
+
+def _lora(request: GenerationRequest) -> tuple[str | None, float]:
+    """(adapter name, scale): a scale needs an adapter; the scale is finite, within +-``MAX_LORA_SCALE``."""
+    name, scale = request.lora, request.lora_scale
+    if name is not None and (not isinstance(name, str) or not name):
+        raise InvalidRequestError(f"lora must name a LoRA adapter, got {name!r}", param="model")
+    if scale is None:
+        return name, 1.0
+    if name is None:
+        raise InvalidRequestError(
+            "lora_scale applies to a LoRA adapter; select one with model=<adapter name>", param="lora_scale"
+        )
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or abs(scale) > MAX_LORA_SCALE
+    ):
+        raise InvalidRequestError(
+            f"lora_scale must be a finite number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got {scale!r}",
+            param="lora_scale",
+        )
+    return name, float(scale)
 
 
 def _guidance(info: ModelInfo, request: GenerationRequest) -> tuple[float, float | None]:

@@ -148,6 +148,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     attention_heads: int | None = None
     compile: bool = False  # load(compile=True) compiles it for serving (omni_models.compilation)
     prompt_embed_cache: bool = False  # load(prompt_embed_cache_size=N) caches prompt embeddings
+    lora: bool = False  # serves LoRA adapters per request (``omni_models.lora``)
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,7 +10,10 @@ Test and benchmark tooling (it needs the ``diffusers`` extra, like ``omni_models
   CLIP-L whole; T5-XXL and Qwen2.5-VL-7B keep their width but only ``text_encoder_layers`` layers);
 - ``random_parameters``: build a model with parameters on the meta device, then fill them with cheap random
   values on the target device (no CPU initialisation of billions of parameters);
-- ``save_checkpoint``: the diffusers layout (``save_pretrained``), sharded when asked.
+- ``save_checkpoint``: the diffusers layout (``save_pretrained``), sharded when asked;
+- ``random_lora`` / ``save_lora``: a PEFT LoRA adapter for a family transformer (PEFT injects the layers into a
+  meta-device copy, so its key names, shapes and config are PEFT's own; the values are random), written with the
+  pipeline's own ``save_lora_weights`` (needs ``peft``).
 """
 
 from __future__ import annotations
@@ -387,3 +390,43 @@ def save_checkpoint(
     diffusers_pipeline(family, components).save_pretrained(str(directory), **kwargs)
     json.loads((directory / "model_index.json").read_text())  # written and well-formed
     return directory
+
+
+def random_lora(
+    transformer: nn.Module,
+    *,
+    rank: int,
+    target_modules: Iterable[str] | str,
+    lora_alpha: float | None = None,
+    seed: int = 0,
+    std: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+    **config: Any,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """(PEFT state dict, ``peft.LoraConfig``) of a LoRA on ``transformer``'s ``target_modules`` (PEFT's matching:
+    module-name suffixes or a regex), with N(0, ``std``) factors. ``transformer`` is not modified."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    lora_config = LoraConfig(
+        r=rank,
+        lora_alpha=rank if lora_alpha is None else lora_alpha,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        **config,
+    )
+    with parameters_on_meta():
+        skeleton = type(transformer).from_config(transformer.config)
+    inject_adapter_in_model(lora_config, skeleton)
+    shapes = get_peft_model_state_dict(skeleton)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    state = {name: (torch.randn(t.shape, generator=generator) * std).to(dtype) for name, t in shapes.items()}
+    return state, lora_config
+
+
+def save_lora(family: str, directory: Path, state: dict[str, torch.Tensor], config: Any) -> Path:
+    """Write a transformer LoRA as diffusers does (``pytorch_lora_weights.safetensors`` with its PEFT config in the
+    file's ``lora_adapter_metadata``); returns the file."""
+    pipeline = library_class("diffusers", PIPELINE_CLASSES[family])
+    pipeline.save_lora_weights(
+        str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=config.to_dict()
+    )
+    return directory / "pytorch_lora_weights.safetensors"

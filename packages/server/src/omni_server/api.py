@@ -3,9 +3,11 @@
 Routes (each behind ``http_guard``: limits, auth, Host and content-type rules, drain): ``POST
 /v1/images/generations`` (``omni_server.images``), ``POST /v1/images/edits`` (``omni_server.edits``, the one
 multipart route), ``POST /v1/audio/speech`` (``omni_server.audio``), ``GET /v1/models`` and ``GET
-/v1/models/{id}``, ``GET /v1/progress/{key}``, ``GET /health``, ``GET /metrics``, and the
-playground at ``/`` (the image or the music page, by the model's task). ``/docs`` and ``/redoc`` are off (they
-load scripts from a CDN, which an offline machine cannot reach); ``/openapi.json`` is served.
+/v1/models/{id}`` (the base model and its LoRA adapters, each with ``parent``), ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (``omni_server.lora_api``), ``GET /v1/progress/{key}``, ``GET /health``, ``GET
+/metrics``, and the playground at ``/`` (the image or the music page, by the model's task). ``/docs`` and
+``/redoc`` are off (they load scripts from a CDN, which an offline machine cannot reach); ``/openapi.json`` is
+served.
 
 A route builds the one request type (``omni_models.GenerationRequest``), checks it once against the model's
 ``ModelInfo`` (``ServerState.resolve``: 400 naming the field) and hands it to ``ServerState.run``, which owns
@@ -38,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_models import GenerationRequest, InvalidRequestError, ModelInfo, ResolvedRequest, resolve_request
 from omni_server.client import EngineClient, EngineStartError
-from omni_server.config import ServerConfig
+from omni_server.config import LoRAModule, ServerConfig
 from omni_server.errors import APIError, error_response, invalid_field
 from omni_server.http_guard import install_guards
 from omni_server.metrics import ServerMetrics
@@ -108,15 +110,24 @@ class ServerState:
             raise self.unavailable()
         return ready.info
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+    def adapters(self) -> list[LoRAModule]:
+        """The LoRA adapters served now (``--lora-modules`` and runtime loads)."""
+        return self.client.lora_modules if self.config.enable_lora else []
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 naming ``model`` for anything else."""
+        if model is None or model == self.config.model_name:
+            return None
+        if any(adapter.name == model for adapter in self.adapters()):
+            return model
+        names = ", ".join(repr(n) for n in [self.config.model_name, *(a.name for a in self.adapters())])
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {names}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_task(self, task: str, route: str) -> None:
         """400 naming ``model`` when the served model does not do what ``route`` asks."""
@@ -286,15 +297,22 @@ def service_router(state: ServerState) -> APIRouter:
         )
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def entries(info: ModelInfo) -> dict[str, ModelObject]:
+        base = model_object(info, state.config.model_name, _STARTED_AT)
+        adapters = {
+            a.name: base.model_copy(update=dict(id=a.name, parent=base.id, root=a.path)) for a in state.adapters()
+        }
+        return {base.id: base, **adapters}
+
     @router.get("/v1/models", response_model=ModelList, response_model_exclude_none=True)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_object(state.info(), state.config.model_name, _STARTED_AT)])
+        return ModelList(data=list(entries(state.info()).values()))
 
     @router.get("/v1/models/{model_id:path}", response_model=ModelObject, response_model_exclude_none=True)
     async def retrieve_model(model_id: str) -> ModelObject:
         info = state.info()
         state.check_model(model_id)
-        return model_object(info, state.config.model_name, _STARTED_AT)
+        return entries(info)[model_id]
 
     return router
 
@@ -353,6 +371,7 @@ def create_app(
     from omni_server.audio import speech_router
     from omni_server.edits import EDITS_PATH, edits_router
     from omni_server.images import images_router
+    from omni_server.lora_api import lora_router
 
     drain = drain or DrainState()
     metrics = ServerMetrics(config.model_name)
@@ -407,6 +426,7 @@ def create_app(
         images_router(state),
         edits_router(state),
         speech_router(state),
+        lora_router(state),
         progress_router(progress),
         playground_router(state),
     ):

@@ -45,6 +45,7 @@ GROUP_DESCRIPTIONS = {
     "Limits": "everything a client controls is bounded; each answered in the OpenAI error shape",
     "Supervision": "the engine process",
     "Security": "who may call the server",
+    "LoRAConfig": "LoRA adapters, selected per request by model=<adapter name> (omni_models.lora)",
 }
 
 
@@ -69,6 +70,8 @@ def _argument(name: str) -> dict[str, typing.Any]:
         kwargs["type"] = type(info.values[0])
     elif "parse" in extra:
         kwargs["type"] = str  # config.build_config parses 512M-style sizes and lists
+        if extra["parse"] == "lora_modules":
+            kwargs["nargs"] = "+"  # vllm serve's --lora-modules a=PATH b=PATH
     elif isinstance(info, msgspec.inspect.IntType):
         kwargs["type"] = int
     elif isinstance(info, msgspec.inspect.FloatType):
@@ -151,6 +154,13 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of the request (image i uses seed + i; default: --seed)",
     )
     request.add_argument(
+        "--lora",
+        metavar="PATH[:SCALE]",
+        default=None,
+        help="apply a LoRA adapter (a .safetensors file or a directory holding one) at SCALE (default: 1); a "
+        "diffusers family only",
+    )
+    request.add_argument(
         "--upscale",
         type=int,
         default=1,
@@ -201,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        if args.command == "generate" and args.lora is not None:
+            from omni_server.generate import with_lora
+
+            config = with_lora(config, args.lora)
     except ConfigError as exc:
         parser.exit(2, f"omni-server: error: {exc}\n")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -16,6 +16,9 @@ first start is ``dead`` at once. On the way to ``dead`` every pending request is
 One error channel: ``generate`` never raises. Every future it hands out is resolved exactly once with a
 ``RequestFinished``: the engine's answer, or an ``unavailable`` / ``timeout`` error made here (engine death,
 ``fail_pending``, ``finish_with_error``). ``shutdown`` leaves no engine process behind.
+
+LoRA adapters: ``update_lora`` asks the engine to load or unload one and resolves with its answer; the client's
+config holds the adapters served now (``lora_modules``), so an engine that restarts serves the same ones.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Literal
 import msgspec
 
 from omni_models import ResolvedRequest
-from omni_server.config import ServerConfig
+from omni_server.config import LoRAModule, ServerConfig
 from omni_server.protocol import (
     AbortRequest,
     AddRequest,
@@ -43,9 +46,12 @@ from omni_server.protocol import (
     EngineStartupFailed,
     EngineStats,
     Heartbeat,
+    LoadLoRAAdapter,
+    LoRAAdapterUpdated,
     RequestError,
     RequestFinished,
     Shutdown,
+    UnloadLoRAAdapter,
     decode_output,
     encode,
 )
@@ -128,6 +134,7 @@ class EngineClient:
         self._ids = itertools.count()
         self._generations = itertools.count()
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestFinished]]] = {}
+        self._lora_calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, LoRAModule | str]] = {}
         self._lock = threading.Lock()
         self._first_start = threading.Event()  # set once the first engine is ready or failed
         self._engine: _EngineProcess | None = None
@@ -250,7 +257,8 @@ class EngineClient:
         self.abort(request_id)
 
     def fail_pending(self, error: RequestError) -> int:
-        """Answer every pending request with ``error``; returns how many there were."""
+        """Answer every pending request (and LoRA update) with ``error``; returns how many requests there were."""
+        self._fail_lora_calls(error)
         with self._lock:
             pending, self._pending = self._pending, {}
         for request_id, (loop, future) in pending.items():
@@ -259,6 +267,54 @@ class EngineClient:
             except RuntimeError:  # the loop is already closed at interpreter shutdown
                 pass
         return len(pending)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+
+    @property
+    def lora_modules(self) -> list[LoRAModule]:
+        """The adapters served now (``--lora-modules`` and runtime loads, in order)."""
+        return list(self._config.lora_modules)
+
+    def update_lora(self, change: LoRAModule | str) -> asyncio.Future[LoRAAdapterUpdated]:
+        """Load ``change`` (a ``LoRAModule``) or unload the adapter it names (a ``str``) in the engine; the future
+        resolves with the engine's answer (or an ``unavailable`` error), and on success ``lora_modules`` follows."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[LoRAAdapterUpdated] = loop.create_future()
+        call_id = f"lora-{next(self._ids)}-{time.monotonic_ns()}"
+        if isinstance(change, LoRAModule):
+            message: LoadLoRAAdapter | UnloadLoRAAdapter = LoadLoRAAdapter(call_id, change.name, change.path)
+        else:
+            message = UnloadLoRAAdapter(call_id, change)
+        with self._lock:
+            engine = self._engine
+            if not self.ready or engine is None:
+                future.set_result(LoRAAdapterUpdated(call_id=call_id, error=self.unavailable_error()))
+                return future
+            self._lora_calls[call_id] = (loop, future, change)
+        engine.outbox.put(encode(message))
+        return future
+
+    def _lora_updated(self, message: LoRAAdapterUpdated) -> None:
+        with self._lock:
+            entry = self._lora_calls.pop(message.call_id, None)
+            if entry is not None and message.error is None:
+                change = entry[2]
+                name = change if isinstance(change, str) else change.name
+                modules = [m for m in self._config.lora_modules if m.name != name]
+                if isinstance(change, LoRAModule):
+                    modules.append(change)
+                self._config = msgspec.structs.replace(self._config, lora_modules=modules)
+        if entry is not None:
+            entry[0].call_soon_threadsafe(_resolve, entry[1], message)
+
+    def _fail_lora_calls(self, error: RequestError) -> None:
+        with self._lock:
+            calls, self._lora_calls = self._lora_calls, {}
+        for call_id, (loop, future, _) in calls.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, future, LoRAAdapterUpdated(call_id=call_id, error=error))
+            except RuntimeError:
+                pass
 
     @property
     def num_in_flight(self) -> int:
@@ -314,6 +370,8 @@ class EngineClient:
                 loop.call_soon_threadsafe(_resolve, future, message)
         elif isinstance(message, EngineStats):
             self._report_stats(message)
+        elif isinstance(message, LoRAAdapterUpdated):
+            self._lora_updated(message)
         elif isinstance(message, EngineReady):
             with self._lock:
                 if self._engine is not engine or self._state == "stopped":

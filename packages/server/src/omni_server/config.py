@@ -58,6 +58,16 @@ def setting(
     return Meta(description=help, extra=extra, **constraints)
 
 
+class LoRAModule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One adapter served beside the base model (vLLM's ``--lora-modules`` entry): clients select it with
+    ``model: "<name>"``; ``path`` is a LoRA ``.safetensors`` file or a directory holding one; ``base_model_name``,
+    when given, must be the served model's name (it is the adapter's ``parent`` in ``/v1/models``)."""
+
+    name: Annotated[str, Meta(min_length=1, pattern=r"^[^\s=]+$")]
+    path: Annotated[str, Meta(min_length=1)]
+    base_model_name: str | None = None
+
+
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the API process and the engine process need to start (a msgspec struct, so it travels to the
     engine process and the worker ranks as bytes)."""
@@ -154,6 +164,58 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             ge=0,
         ),
     ] = 32
+    # LoRAConfig (omni_models.lora): unmerged adapters, a different one per request in one batched forward
+    enable_lora: Annotated[
+        bool,
+        setting(
+            "serve LoRA adapters (diffusers families): a request selects one with model=<adapter name>",
+            group="LoRAConfig",
+        ),
+    ] = False
+    lora_modules: Annotated[
+        list[LoRAModule],
+        setting(
+            "adapters to serve, each name=path or a JSON object with name, path and base_model_name; path: a LoRA "
+            ".safetensors file or a directory holding one (diffusers/PEFT or kohya layout; needs --enable-lora)",
+            group="LoRAConfig",
+            parse="lora_modules",
+            metavar="NAME=PATH",
+        ),
+    ] = []
+    max_loras: Annotated[
+        int,
+        setting(
+            "adapters on the device at once (fixed slots: a forward mixing more is split into several)",
+            group="LoRAConfig",
+            ge=1,
+            le=64,
+        ),
+    ] = 4
+    max_cpu_loras: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        setting(
+            "adapters kept in host memory (others are read from disk again when used; default: --max-loras)",
+            group="LoRAConfig",
+        ),
+    ] = None
+    max_lora_rank: Annotated[
+        int,
+        setting(
+            "largest adapter rank; every slot is this rank (padded), so mixing adapters never recompiles",
+            group="LoRAConfig",
+            commands=BOTH,
+            ge=1,
+            le=512,
+        ),
+    ] = 16
+    allow_runtime_lora_updating: Annotated[
+        bool,
+        setting(
+            "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING as a flag)",
+            group="LoRAConfig",
+        ),
+    ] = False
     # ParallelConfig: world size = cfg_parallel_size x sequence_parallel_size, one process per GPU
     cfg_parallel_size: Annotated[
         Literal[1, 2],
@@ -498,11 +560,79 @@ def _check_server_rules(config: ServerConfig) -> None:
         raise ConfigError(
             "--compile-cache-dir keeps compiled graphs, but --enforce-eager compiles nothing; drop one of them"
         )
+    _check_lora_rules(config)
     if config.offload_allgather and config.sequence_parallel_size < 2:
         raise ConfigError(
             "--offload-allgather shards block weights over the sequence-parallel group (CFG ranks never share "
             "weights), so it needs --sequence-parallel-size >= 2"
         )
+
+
+def _check_lora_rules(config: ServerConfig) -> None:
+    if not config.enable_lora:
+        given = [
+            flag(name)
+            for name, value in (
+                ("lora_modules", config.lora_modules),
+                ("max_cpu_loras", config.max_cpu_loras),
+                ("allow_runtime_lora_updating", config.allow_runtime_lora_updating),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} configure LoRA serving; add --enable-lora")
+        return
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ConfigError(
+            f"--max-cpu-loras {config.max_cpu_loras} must be >= --max-loras {config.max_loras} (an adapter in a "
+            "device slot keeps its host copy)"
+        )
+    if config.world_size > 1:
+        raise ConfigError(
+            "--enable-lora runs on one rank; drop --cfg-parallel-size/--sequence-parallel-size or --enable-lora"
+        )
+    seen: set[str] = set()
+    for module in config.lora_modules:
+        if module.name in seen:
+            raise ConfigError(f"--lora-modules names {module.name!r} twice; adapter names must be unique")
+        if module.name == config.model_name:
+            raise ConfigError(
+                f"--lora-modules {module.name!r} is the served model's name; give the adapter a name of its own"
+            )
+        if module.base_model_name is not None and module.base_model_name != config.model_name:
+            raise ConfigError(
+                f"--lora-modules {module.name!r} has base_model_name {module.base_model_name!r}, but this server "
+                f"serves {config.model_name!r}"
+            )
+        seen.add(module.name)
+
+
+def parse_lora_modules(value: str | list[Any]) -> list[dict[str, Any]]:
+    """``--lora-modules`` items: ``name=path`` or a JSON object (``{"name", "path", "base_model_name"}``), as
+    ``vllm serve`` takes them; a YAML file may also give mappings."""
+    items = value if isinstance(value, list) else [value]
+    modules = []
+    for item in items:
+        if isinstance(item, Mapping):
+            modules.append(dict(item))
+            continue
+        text = str(item).strip()
+        if text.startswith("{"):
+            import json
+
+            try:
+                parsed = json.loads(text)
+            except ValueError as exc:
+                raise ConfigError(f"expected name=path or a JSON object, got {text!r}: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise ConfigError(f"expected a JSON object with name and path, got {text!r}")
+            modules.append(parsed)
+            continue
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"expected name=path (or a JSON object with name and path), got {text!r}")
+        modules.append({"name": name, "path": path})
+    return modules
 
 
 _DECIMAL_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -554,7 +684,7 @@ def parse_list(value: str | list[str]) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-PARSERS = {"human_int": parse_human_int, "list": parse_list}
+PARSERS = {"human_int": parse_human_int, "list": parse_list, "lora_modules": parse_lora_modules}
 
 
 def build_config(file_values: Mapping[str, Any] | None = None, **overrides: Any) -> ServerConfig:

@@ -19,6 +19,9 @@ Start-up runs a warm-up request through every path; when that compiled graphs (a
 compilation.warmup_shapes``), so that serving compiles nothing more. ``EngineStats`` reports the graphs compiled
 so far and those compiled since ready (``/metrics``).
 
+LoRA adapters are registered with the pipeline (``pipeline.lora``, ``omni_models.lora``) at load and by
+``update_lora`` between iterations; a request names one and its jobs hold it until released.
+
 Invariant: each added request produces exactly one ``RequestFinished`` (outputs or an error, an abort included),
 and an error in one request never stops the loop.
 """
@@ -40,9 +43,12 @@ from omni_server.protocol import (
     EngineOutput,
     EngineReady,
     EngineStats,
+    LoadLoRAAdapter,
+    LoRAAdapterUpdated,
     RequestError,
     RequestFinished,
     StepProgress,
+    UnloadLoRAAdapter,
 )
 from omni_server.strategies import BatchedStrategy, Ended, EngineRequest, PagedStrategy
 
@@ -281,6 +287,34 @@ class EngineCore:
         if request_id in self._live:
             self._strategy.abort(request_id)
 
+    def update_lora(self, command: LoadLoRAAdapter | UnloadLoRAAdapter) -> LoRAAdapterUpdated:
+        """Register or unregister an adapter; a refusal (bad file, name taken or unknown, LoRA off) changes
+        nothing and says why."""
+        from omni_models import LoRAError
+
+        lora = getattr(self.pipeline, "lora", None)
+        if lora is None:
+            error = RequestError(kind="invalid_request", message="this server does not serve LoRA (--enable-lora)")
+            return LoRAAdapterUpdated(call_id=command.call_id, error=error)
+        try:
+            if isinstance(command, LoadLoRAAdapter):
+                adapter = lora.register(command.name, command.path)
+                return LoRAAdapterUpdated(call_id=command.call_id, load_s=adapter.load_s)
+            lora.unregister(command.name)
+            return LoRAAdapterUpdated(call_id=command.call_id)
+        except LoRAError as exc:
+            error = RequestError(kind="invalid_request", message=str(exc), param="lora_path")
+        except KeyError:
+            error = RequestError(
+                kind="invalid_request",
+                message=f"no LoRA adapter named {command.name!r} is loaded",
+                param="lora_name",
+                code="lora_not_found",
+            )
+        except ValueError as exc:  # the name is taken
+            error = RequestError(kind="invalid_request", message=str(exc), param="lora_name")
+        return LoRAAdapterUpdated(call_id=command.call_id, error=error)
+
     def has_work(self) -> bool:
         return bool(self._outputs) or bool(self._live)
 
@@ -418,11 +452,16 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
     import torch
 
     import omni_models
-    from omni_server.startup import load_options, serving_options
+    from omni_server.startup import load_options, lora_error, lora_options, serving_options
 
     device = torch.device(config.resolved_device())
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    options = {**load_options(config), **serving_options(config, omni_models.inspect(config.model)), **overrides}
+    options = {
+        **load_options(config),
+        **serving_options(config, omni_models.inspect(config.model)),
+        "lora": lora_options(config),
+        **overrides,
+    }
     pipeline = omni_models.load(config.model, device=device, dtype=dtype, **options)
     logger.info(
         "loaded %s (%s, %s) on %s, %s",
@@ -432,6 +471,11 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
         device,
         "compiled" if options["compile"] else "eager",
     )
+    for module in config.lora_modules:  # checked at start already (check_startup); an error here stops the start
+        try:
+            pipeline.lora.register(module.name, module.path)
+        except omni_models.LoRAError as exc:
+            raise lora_error(module.name, exc) from None
     return pipeline
 
 

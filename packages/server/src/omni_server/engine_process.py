@@ -33,7 +33,9 @@ from omni_server.protocol import (
     AddRequest,
     EngineStartupFailed,
     Heartbeat,
+    LoadLoRAAdapter,
     Shutdown,
+    UnloadLoRAAdapter,
     decode_input,
     encode,
 )
@@ -135,6 +137,8 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
                 engine.add(message.request_id, message.request)
             elif isinstance(message, AbortRequest):
                 engine.abort(message.request_id)
+            elif isinstance(message, (LoadLoRAAdapter, UnloadLoRAAdapter)):
+                sender.send(encode(engine.update_lora(message)))
             elif isinstance(message, Shutdown):
                 raise _ShutdownRequested
 

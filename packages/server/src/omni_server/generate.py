@@ -1,7 +1,8 @@
 """``omni-server generate``: one request through the same engine core as ``serve``, in this process.
 
 The request is built from the flags and checked against the model's metadata (``omni_models.inspect``) before
-anything loads; then the engine (``omni_server.engine.EngineCore``, the one ``serve`` runs, over one rank or a
+anything loads (``--lora PATH[:SCALE]`` serves that one adapter, checked at start like ``serve``'s
+``--lora-modules``); then the engine (``omni_server.engine.EngineCore``, the one ``serve`` runs, over one rank or a
 worker group) runs it with a progress bar over its steps, and its outputs are written: PNG per image (``-n``:
 ``NAME-i.png``), WAV for a song. The same seed gives the same bytes as the HTTP API.
 """
@@ -44,6 +45,8 @@ REQUEST_FLAGS = {
     "max_new_tokens": "--max-new-tokens",
     "image": "--image",
     "cache": "--step-cache",
+    "model": "--lora",
+    "lora_scale": "--lora",
 }
 SMALL_SIDE = 128  # below this, generate says how to write the image larger
 
@@ -86,6 +89,32 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     return height, width
 
 
+def parse_lora_argument(value: str) -> tuple[str, float | None]:
+    """``PATH[:SCALE]`` -> (path, scale or None); a tail that is not a number belongs to the path."""
+    path, sep, tail = value.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    if not value:
+        raise ConfigError("--lora takes PATH[:SCALE], e.g. style.safetensors:0.8")
+    return value, None
+
+
+def with_lora(config: ServerConfig, value: str) -> ServerConfig:
+    """``config`` serving the one adapter of ``--lora PATH[:SCALE]`` (named by its file), for ``generate``."""
+    from omni_server.config import LoRAModule
+
+    path, _ = parse_lora_argument(value)
+    name = Path(path).stem or "lora"
+    if name == config.model_name:
+        name += "-lora"
+    return msgspec.structs.replace(
+        config, enable_lora=True, max_loras=1, lora_modules=[LoRAModule(name=name, path=path)]
+    )
+
+
 def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) -> ResolvedRequest:
     """The flags' request, checked against the model (before it loads); ``GenerateError`` naming the flag."""
     height, width = parse_size(args.size)
@@ -104,6 +133,8 @@ def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) ->
         lyrics=lyrics,
         max_new_tokens=args.max_new_tokens,
         images=images,
+        lora=config.lora_modules[0].name if getattr(args, "lora", None) else None,
+        lora_scale=parse_lora_argument(args.lora)[1] if getattr(args, "lora", None) else None,
     )
     try:
         return resolve_request(info, request, default_cache=config.default_step_cache())

@@ -47,7 +47,7 @@ def images_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an imp
 
     @router.post("/v1/images/generations", response_model=ImageGenerationResponse, response_model_exclude_none=True)
     async def generate_images(body: ImageGenerationRequest, request: Request) -> Response:
-        state.check_model(body.model)
+        adapter = state.check_model(body.model)
         for name in ("prompt", "negative_prompt"):
             state.check_text(name, getattr(body, name))
         state.check_task("text-to-image", "/v1/images/generations")
@@ -65,6 +65,8 @@ def images_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an imp
                 true_cfg_scale=body.true_cfg_scale,
                 seed=body.seed,
                 cache=body.cache,
+                lora=adapter,
+                lora_scale=body.lora_scale,
             )
         )
         result = await state.run(resolved, request)

@@ -38,7 +38,23 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-EngineInput = AddRequest | AbortRequest | Shutdown
+class LoadLoRAAdapter(msgspec.Struct, frozen=True, tag=True):
+    """Register an adapter file under ``name`` (``POST /v1/load_lora_adapter``); answered by ``LoRAAdapterUpdated``
+    with the same ``call_id``."""
+
+    call_id: str
+    name: str
+    path: str
+
+
+class UnloadLoRAAdapter(msgspec.Struct, frozen=True, tag=True):
+    """Stop serving ``name`` to new requests (requests running with it finish with it)."""
+
+    call_id: str
+    name: str
+
+
+EngineInput = AddRequest | AbortRequest | Shutdown | LoadLoRAAdapter | UnloadLoRAAdapter
 
 
 # engine process -> API process
@@ -103,6 +119,15 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     progress: list[StepProgress] = []
 
 
+class LoRAAdapterUpdated(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The answer to a ``LoadLoRAAdapter``/``UnloadLoRAAdapter``: ``error`` None on success (the engine changed), else
+    why not (``invalid_request``: a bad file or name, the engine unchanged). ``load_s``: reading the file."""
+
+    call_id: str
+    error: RequestError | None = None
+    load_s: float = 0.0
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     """Sent by the engine's heartbeat thread every ``HEARTBEAT_INTERVAL_S``: the process is alive and scheduled."""
 
@@ -111,7 +136,7 @@ HEARTBEAT_INTERVAL_S = 0.1
 
 # What an engine iteration returns (``Engine.step``); everything else the process sends is lifecycle.
 EngineOutput = RequestFinished | EngineStats
-EngineMessage = EngineReady | EngineStartupFailed | RequestFinished | EngineStats | Heartbeat
+EngineMessage = EngineReady | EngineStartupFailed | RequestFinished | EngineStats | Heartbeat | LoRAAdapterUpdated
 
 _INPUT_DECODER = msgspec.msgpack.Decoder(EngineInput)
 _OUTPUT_DECODER = msgspec.msgpack.Decoder(EngineMessage)

@@ -73,6 +73,11 @@ class ImageGenerationRequest(BaseModel):
         'step_cache_presets; {"preset": "fast", ...} overrides a preset\'s knobs); omitted: the server\'s '
         "--step-cache.",
     )
+    lora_scale: float | None = Field(
+        default=None,
+        description="With model=<LoRA adapter name>: the adapter's weight (default 1.0), as diffusers' "
+        "set_adapters([name], [scale]); checked by the model's request rules.",
+    )
     user: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
     safety_identifier: str | None = Field(default=None, description="Accepted for OpenAI compatibility; unused.")
 
@@ -107,12 +112,15 @@ class ImageGenerationResponse(BaseModel):
 
 
 class ModelObject(BaseModel):
-    """A ``/v1/models`` entry: OpenAI's fields, then what the model accepts (from its ``ModelInfo``)."""
+    """A ``/v1/models`` entry: OpenAI's fields, then what the model accepts (from its ``ModelInfo``). A LoRA adapter
+    is listed as vLLM lists it: ``parent`` the base model, ``root`` its file."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omni"
+    parent: str | None = Field(default=None, description="LoRA adapters: the base model they apply to")
+    root: str | None = Field(default=None, description="LoRA adapters: the adapter's file or directory")
     task: Literal["text-to-image", "text-to-music"]
     family: str = Field(description="omni-dit, flux, flux-kontext, qwen-image or omni-music")
     variant: str
@@ -188,6 +196,23 @@ def model_object(info: ModelInfo, served_name: str, created: int) -> ModelObject
             )
         )
     return entry
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(min_length=1, pattern=r"^[^\s=]+$", description="The name requests select it by.")
+    lora_path: str = Field(min_length=1, description="A LoRA .safetensors file or a directory holding one.")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str = Field(min_length=1)
 
 
 class ErrorDetail(BaseModel):

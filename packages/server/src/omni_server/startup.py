@@ -4,7 +4,9 @@
 reads the model through ``omni_models.inspect`` (configs and safetensors headers, no tensor data, no device), then
 asks each library whether the flags make sense together: ``omni_models.registry.check_load_options`` (FP8 and
 offload options), ``dlo_offload.check_allgather_plan`` (resident blocks and AllGather), the model's capabilities
-(``ModelSpec.capabilities``) and the visible devices. A failure is a ``ConfigError`` naming the flags.
+(``ModelSpec.capabilities``), every ``--lora-modules`` adapter against the model's metadata
+(``omni_models.inspect_lora``: read, converted and checked, nothing loaded) and the visible devices. A failure is a
+``ConfigError`` naming the flags.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 from omni_server.config import ConfigError, ServerConfig
 
 if TYPE_CHECKING:
-    from omni_models import ModelSpec
+    from omni_models import LoRAOptions, ModelSpec
 
 
 def load_options(config: ServerConfig) -> dict[str, object]:
@@ -49,6 +51,38 @@ def serving_options(config: ServerConfig, spec: ModelSpec) -> dict[str, object]:
         compile_cache_dir=config.compile_cache_dir if compiled else None,
         prompt_embed_cache_size=config.prompt_embed_cache_size if spec.capabilities.prompt_embed_cache else 0,
     )
+
+
+def lora_options(config: ServerConfig) -> LoRAOptions | None:
+    """``omni_models.load``'s ``lora`` argument of the config (None without ``--enable-lora``)."""
+    if not config.enable_lora:
+        return None
+    from omni_models import LoRAOptions
+
+    return LoRAOptions(max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras, max_rank=config.max_lora_rank)
+
+
+def lora_error(name: str, error: Exception) -> ConfigError:
+    """An adapter's refusal as the flag's error (``--lora-modules NAME: FILE: problem``)."""
+    message = str(error)
+    if "max_lora_rank" in message:
+        message += " (--max-lora-rank)"
+    return ConfigError(f"--lora-modules {name}: {message}")
+
+
+def check_lora_modules(config: ServerConfig, spec: ModelSpec) -> None:
+    """``--enable-lora`` needs a model that takes adapters; each ``--lora-modules`` file must serve it."""
+    import omni_models
+
+    if not spec.capabilities.lora:
+        raise ConfigError(
+            f"--enable-lora: {spec.info.variant} ({spec.kind}) does not support LoRA adapters; drop --enable-lora"
+        )
+    for module in config.lora_modules:
+        try:
+            omni_models.inspect_lora(config.model, module.path, max_rank=config.max_lora_rank)
+        except omni_models.LoRAError as exc:
+            raise lora_error(module.name, exc) from None
 
 
 # The flag behind each option name a library's message may use (load's options, dlo_offload's plan).
@@ -143,5 +177,7 @@ def check_startup(config: ServerConfig) -> ModelSpec:
             check_config(default_cache, num_blocks=spec.info.transformer_blocks, num_steps=None, where="--step-cache")
         except ValueError as exc:
             raise ConfigError(f"{exc} ({variant} has {spec.info.transformer_blocks} repeated blocks)") from None
+    if config.enable_lora:
+        check_lora_modules(config, spec)
     check_devices(config)
     return spec

@@ -48,6 +48,7 @@ def load(directory: Path, name: str, options: LoadOptions) -> MusicPipeline:
             ("compile", options.compile),
             ("prompt_embed_cache_size", options.prompt_embed_cache_size > 0),
             ("max_sequence_length", options.max_sequence_length is not None),
+            ("lora", options.lora is not None),
         )
         if given
     ]

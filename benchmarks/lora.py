@@ -1,0 +1,267 @@
+"""LoRA per request (issue 27): transformer step time with adapters against the base step, recompiles while
+switching and mixing adapters, and adapter load time.
+
+    python benchmarks/lora.py --out DIR            # GPU: FLUX.1-dev's transformer, random bf16 weights, 1024x1024
+    python benchmarks/lora.py --smoke --out DIR    # the tiny FLUX transformer on the CPU (checks the script)
+
+The transformer is diffusers' ``FluxTransformer2DModel`` with omni's attention processor, as ``omni-server``
+serves it; the adapters are PEFT LoRAs of rank ``--rank`` (64) on every attention and MLP linear, written with
+diffusers' ``save_lora_weights`` and read back through ``omni_models.lora_files`` (the server's path). Measured in
+one run, each against its baseline:
+
+- ``one_adapter``: batch 1, its row on adapter A, vs the base transformer (no LoRA hooks) at batch 1: <= 1.10x;
+- ``four_adapters``: batch 4, rows on A, B, C, D (four slots), vs the base at batch 4: <= 1.15x;
+- ``no_adapter``: LoRA on, no row with an adapter (what the hooks cost alone), batch 1;
+- ``--compile``: the same with every block compiled (``FamilyPipeline.compile_transformer``'s regional
+  compilation), and the graphs dynamo compiles while the rows switch between adapters and mixes: 0 once warm;
+- adapter load: ``LoRARuntime.register`` (read, convert, check, host copy) and the first slot fill (host to device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# This directory holds scripts named like the packages (fp8_cache.py, ...): keep it off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+    "proj_mlp",
+    "proj_out",
+)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, *, warmup: int, iters: int) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "iters": iters}
+
+
+def build_transformer(smoke: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from omni_models import synthetic
+    from omni_models.family_attention import OmniFluxAttnProcessor
+
+    config: dict[str, Any] = {"guidance_embeds": True}
+    if smoke:
+        config.update(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
+        )
+    transformer = synthetic.random_parameters(
+        synthetic._make("diffusers", "FluxTransformer2DModel", **config), device=device, dtype=dtype
+    )
+    transformer.set_attn_processor(OmniFluxAttnProcessor())
+    return transformer.requires_grad_(False)
+
+
+def inputs(transformer: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int, device, dtype):
+    config = transformer.config
+    side = int(image_tokens**0.5)
+    ids = torch.zeros(side, side, 3)
+    ids[..., 1] += torch.arange(side)[:, None]
+    ids[..., 2] += torch.arange(side)[None, :]
+    generator = torch.Generator("cpu").manual_seed(batch)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device, dtype)
+
+    return dict(
+        hidden_states=randn(batch, image_tokens, config.in_channels),
+        encoder_hidden_states=randn(batch, text_tokens, config.joint_attention_dim),
+        pooled_projections=randn(batch, config.pooled_projection_dim),
+        timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
+        guidance=torch.full((batch,), 3.5, device=device, dtype=torch.float32),
+        img_ids=ids.reshape(-1, 3).to(device, dtype),
+        txt_ids=torch.zeros(text_tokens, 3, device=device, dtype=dtype),
+        return_dict=False,
+    )
+
+
+def write_adapters(transformer, directory: Path, count: int, rank: int) -> list[Path]:
+    from omni_models import synthetic
+
+    files = []
+    for i in range(count):
+        state, config = synthetic.random_lora(
+            transformer, rank=rank, target_modules=list(TARGETS), seed=i, std=0.01, dtype=torch.bfloat16
+        )
+        (directory / f"adapter-{i}").mkdir(parents=True, exist_ok=True)
+        files.append(synthetic.save_lora("flux", directory / f"adapter-{i}", state, config))
+        del state
+    return files
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
+    for path in ("transformer_blocks", "single_transformer_blocks"):
+        for block in transformer.get_submodule(path):
+            block.compile(backend=backend)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny transformer, fp32, 16 image tokens (CPU)")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--image-tokens", type=int, default=4096, help="1024x1024 in FLUX.1's 2x2-packed tokens")
+    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        args.image_tokens, args.text_tokens, args.iters, args.rank = 16, 16, 3, 8
+    args.out.mkdir(parents=True, exist_ok=True)
+    from omni_models.backends.flux import FAMILY
+    from omni_models.lora import LoRAOptions, LoRARuntime, lora_targets
+    from omni_models.lora_files import read_lora
+
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rank": args.rank,
+        "image_tokens": args.image_tokens,
+        "text_tokens": args.text_tokens,
+        "dtype": str(dtype),
+    }
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    transformer = build_transformer(args.smoke, device, dtype)
+    files = write_adapters(transformer, args.out / "adapters", 4, args.rank)
+    results["adapter_file_mb"] = files[0].stat().st_size / 2**20
+    batches = {b: inputs(transformer, b, args.image_tokens, args.text_tokens, device, dtype) for b in (1, 4)}
+    warmup = 2 if args.smoke else 3
+
+    def forward(batch: int):
+        return lambda: transformer(**batches[batch])
+
+    modes = ["eager", "compiled"] if args.compile else ["eager"]
+    for mode in modes:
+        torch._dynamo.reset()
+        if mode == "compiled":
+            compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
+        with torch.no_grad():
+            base = {b: timed(forward(b), device, warmup=warmup, iters=args.iters) for b in (1, 4)}
+            targets = {n: (m.in_features, m.out_features) for n, m in lora_targets(transformer).items()}
+            runtime = LoRARuntime(
+                transformer,
+                lambda path: read_lora(FAMILY, path, targets, max_rank=args.rank, dtype=dtype),
+                LoRAOptions(max_loras=4, max_rank=args.rank),
+                device=device,
+                dtype=dtype,
+            )
+            adapters = []
+            for i, file in enumerate(files):
+                adapters.append(runtime.register(f"adapter-{i}", file))
+            loads = {"register_s": [a.load_s for a in adapters]}
+            fill = []
+            for adapter in adapters:
+                start = time.perf_counter()
+                with runtime.rows([adapter], [1.0]):
+                    pass
+                synchronize(device)
+                fill.append(time.perf_counter() - start)
+            loads["first_slot_fill_s"] = fill
+
+            def with_rows(batch: int, rows: list):
+                def run():
+                    with runtime.rows(rows, [1.0] * len(rows)):
+                        transformer(**batches[batch])
+
+                return run
+
+            a, b, c, d = adapters
+            graphs_before = unique_graphs()
+            cases = {
+                "one_adapter": (1, [a]),
+                "no_adapter": (1, [None]),
+                "four_adapters": (4, [a, b, c, d]),
+                "one_adapter_x4": (4, [a, a, a, a]),
+            }
+            timings = {
+                name: timed(with_rows(bs, rows), device, warmup=warmup, iters=args.iters)
+                for name, (bs, rows) in cases.items()
+            }
+            warm_graphs = unique_graphs()
+            # Switching and mixing once everything is warm: every row table a new tensor, slots rewritten in place.
+            for rows in ([b], [None], [c], [d], [a, None, b, c], [d, d, None, a], [None] * 4):
+                with_rows(len(rows), rows)()
+            synchronize(device)
+            recompiles = unique_graphs() - warm_graphs
+            runtime.close()
+        results[mode] = {
+            "base": base,
+            **timings,
+            "ratios": {
+                "one_adapter_vs_base": timings["one_adapter"]["median_ms"] / base[1]["median_ms"],
+                "no_adapter_vs_base": timings["no_adapter"]["median_ms"] / base[1]["median_ms"],
+                "four_adapters_vs_base": timings["four_adapters"]["median_ms"] / base[4]["median_ms"],
+                "one_adapter_x4_vs_base": timings["one_adapter_x4"]["median_ms"] / base[4]["median_ms"],
+            },
+            "graphs_compiled_while_warming": warm_graphs - graphs_before,
+            "graphs_compiled_by_switches": recompiles,
+            "loads": loads,
+            "slot_mb": sum(s.nbytes for s in runtime.targets.values()) / 2**20,
+        }
+        r = results[mode]["ratios"]
+        log(
+            f"{mode}: base {base[1]['median_ms']:.2f} ms (batch 1), {base[4]['median_ms']:.2f} ms (batch 4); "
+            f"one adapter {r['one_adapter_vs_base']:.3f}x (target <= 1.10), four adapters "
+            f"{r['four_adapters_vs_base']:.3f}x (target <= 1.15), no adapter {r['no_adapter_vs_base']:.3f}x; "
+            f"graphs compiled by switches: {recompiles} (target 0); "
+            f"register {statistics.mean(loads['register_s']):.3f} s,"
+            f" slot fill {statistics.mean(fill[1:] or fill):.4f} s per adapter"
+        )
+    (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
