@@ -118,6 +118,7 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
         conn.close()
         return
     sender.send(encode(engine.ready_message()))
+    sender.send(encode(engine.stats()))  # /metrics shows the start-up's figures (compiled graphs) before any request
 
     def drain_inputs(block: bool) -> None:
         timeout = _IDLE_POLL_S if block else 0.0
