@@ -49,6 +49,33 @@ def test_a_static_mask_and_a_job_deciding_from_all_its_rows() -> None:
     assert math.isinf(relative_change([1.0], [0.0]))
 
 
+def test_magcache_skips_while_the_accumulated_magnitude_error_stays_below_the_threshold() -> None:
+    from omni_models.step_cache import magnitude_error
+
+    ratios = [1.0, 1.2, 0.98, 0.97, 0.97, 0.97, 1.0]
+    assert magnitude_error(ratios, 2, 4) == pytest.approx(0.03 + (1 - 0.97 * 0.97))
+    config = StepCacheConfig(method="magcache", first_blocks=0, threshold=0.1, warmup_steps=2, ratios=ratios)
+    decisions = Decisions(num_steps=7)
+    for step in range(7):
+        decisions.record(decide(config, decisions, step, None), None)
+    # step 2: |1 - 0.98| = 0.02 -> skip; step 3: 0.02 + |1 - 0.98 * 0.97| = 0.069 -> skip; step 4: 0.165 -> compute
+    assert "".join("C" if c else "S" for c in decisions.computed) == "CCSSCSC"
+
+
+def test_the_calibration_records_one_ratio_per_step_that_serves_as_a_cache() -> None:
+    import omni_models
+    from omni_models.step_cache_calibrate import calibrate
+
+    pipe = omni_models.load("omni-shapes-tiny", device="cpu")
+    config = calibrate(pipe, ["a red circle"], steps=3, threshold=0.2)
+    assert config["method"] == "magcache" and len(config["ratios"]) == 3 and config["ratios"][0] == 1.0
+    assert all(0.5 < r < 2.0 for r in config["ratios"])
+    resolved = resolve_request(pipe.info, GenerationRequest(prompt="red circle", num_inference_steps=3, cache=config))
+    assert resolved.cache.ratios == config["ratios"]
+    with pytest.raises(InvalidRequestError, match=r"cache.ratios has 3 entries but the request has 4 steps"):
+        resolve_request(pipe.info, GenerationRequest(prompt="red circle", num_inference_steps=4, cache=config))
+
+
 @pytest.mark.parametrize(
     ("value", "needle"),
     [
@@ -63,6 +90,9 @@ def test_a_static_mask_and_a_job_deciding_from_all_its_rows() -> None:
         ({"method": "mask"}, "cache.mask is required"),
         ({"method": "mask", "mask": [0, 8]}, "step(s) [8] of a 8-step request"),
         ({"preset": "faster"}, "cache.preset must be one of"),
+        ({"method": "magcache", "first_blocks": 0}, "cache.ratios is required"),
+        ({"ratios": [1.0] * 8}, 'cache.ratios applies to method "magcache" only'),
+        ({"method": "magcache", "ratios": [1.0, 0.0] * 4}, "cache.ratios"),
     ],
 )
 def test_bad_knobs_are_refused_naming_the_field(value, needle: str) -> None:
