@@ -198,9 +198,14 @@ def _check_batched_equals_alone(pipe, psnr, steps: int, **fields) -> list:
     return stats
 
 
-def test_flux_rows_with_different_caches_in_one_forward_give_their_own_images(flux_dev_dir, psnr) -> None:
+@pytest.mark.parametrize(("checkpoint", "side"), [("flux_dev_dir", 32), ("qwen_image_dir", 16)])
+def test_family_rows_with_different_caches_in_one_forward_give_their_own_images(
+    checkpoint, side, request, psnr
+) -> None:
+    """FLUX.1 (double and single block lists) and Qwen-Image (true CFG: a cond and an uncond row of different
+    text lengths per job, padded to the forward's longest)."""
     import omni_models
 
-    pipe = omni_models.load(str(flux_dev_dir), device="cpu")
-    stats = _check_batched_equals_alone(pipe, psnr, 6, height=32, width=32)
+    pipe = omni_models.load(str(request.getfixturevalue(checkpoint)), device="cpu")
+    stats = _check_batched_equals_alone(pipe, psnr, 6, height=side, width=side)
     assert stats[3].computed_steps < stats[3].num_steps  # the custom config skipped on the random model
