@@ -1,6 +1,7 @@
 """Step caching per request (``omni_models.step_cache`` and ``step_cache_blocks``): the policy's rules, the knobs'
 400s, the Taylor forecast, and rows of different caches in one batched forward giving each the image it gives
-alone, on the shipped DiT's paged forward and on a FLUX.1 checkpoint through diffusers' transformer."""
+alone on a FLUX.1 checkpoint through diffusers' transformer (the shipped DiT's paged forward: in
+tests/omni_server/test_step_cache_engine.py, through the engine)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,33 @@ def test_a_static_mask_and_a_job_deciding_from_all_its_rows() -> None:
     assert math.isinf(relative_change([1.0], [0.0]))
 
 
+def test_magcache_skips_while_the_accumulated_magnitude_error_stays_below_the_threshold() -> None:
+    from omni_models.step_cache import magnitude_error
+
+    ratios = [1.0, 1.2, 0.98, 0.97, 0.97, 0.97, 1.0]
+    assert magnitude_error(ratios, 2, 4) == pytest.approx(0.03 + (1 - 0.97 * 0.97))
+    config = StepCacheConfig(method="magcache", first_blocks=0, threshold=0.1, warmup_steps=2, ratios=ratios)
+    decisions = Decisions(num_steps=7)
+    for step in range(7):
+        decisions.record(decide(config, decisions, step, None), None)
+    # step 2: |1 - 0.98| = 0.02 -> skip; step 3: 0.02 + |1 - 0.98 * 0.97| = 0.069 -> skip; step 4: 0.165 -> compute
+    assert "".join("C" if c else "S" for c in decisions.computed) == "CCSSCSC"
+
+
+def test_the_calibration_records_one_ratio_per_step_that_serves_as_a_cache() -> None:
+    import omni_models
+    from omni_models.step_cache_calibrate import calibrate
+
+    pipe = omni_models.load("omni-shapes-tiny", device="cpu")
+    config = calibrate(pipe, ["a red circle"], steps=3, threshold=0.2)
+    assert config["method"] == "magcache" and len(config["ratios"]) == 3 and config["ratios"][0] == 1.0
+    assert all(0.5 < r < 2.0 for r in config["ratios"])
+    resolved = resolve_request(pipe.info, GenerationRequest(prompt="red circle", num_inference_steps=3, cache=config))
+    assert resolved.cache.ratios == config["ratios"]
+    with pytest.raises(InvalidRequestError, match=r"cache.ratios has 3 entries but the request has 4 steps"):
+        resolve_request(pipe.info, GenerationRequest(prompt="red circle", num_inference_steps=4, cache=config))
+
+
 @pytest.mark.parametrize(
     ("value", "needle"),
     [
@@ -62,6 +90,9 @@ def test_a_static_mask_and_a_job_deciding_from_all_its_rows() -> None:
         ({"method": "mask"}, "cache.mask is required"),
         ({"method": "mask", "mask": [0, 8]}, "step(s) [8] of a 8-step request"),
         ({"preset": "faster"}, "cache.preset must be one of"),
+        ({"method": "magcache", "first_blocks": 0}, "cache.ratios is required"),
+        ({"ratios": [1.0] * 8}, 'cache.ratios applies to method "magcache" only'),
+        ({"method": "magcache", "ratios": [1.0, 0.0] * 4}, "cache.ratios"),
     ],
 )
 def test_bad_knobs_are_refused_naming_the_field(value, needle: str) -> None:
@@ -155,13 +186,6 @@ def _generate(pipe, configs, seed: int, steps: int, **fields):
     return images, stats
 
 
-@pytest.fixture(scope="module")
-def shipped():
-    import omni_models
-
-    return omni_models.load("omni-shapes-tiny", device="cpu")
-
-
 def _check_batched_equals_alone(pipe, psnr, steps: int, **fields) -> list:
     batched, stats = _generate(pipe, CONFIGS, 3, steps, **fields)
     for index, config in enumerate(CONFIGS):
@@ -174,14 +198,14 @@ def _check_batched_equals_alone(pipe, psnr, steps: int, **fields) -> list:
     return stats
 
 
-def test_dit_rows_with_different_caches_in_one_paged_forward_give_their_own_images(shipped, psnr) -> None:
-    stats = _check_batched_equals_alone(shipped, psnr, 8)
-    assert stats[0] is None and stats[3].computed_steps < stats[3].num_steps  # the custom config skipped
-
-
-def test_flux_rows_with_different_caches_in_one_forward_give_their_own_images(flux_dev_dir, psnr) -> None:
+@pytest.mark.parametrize(("checkpoint", "side"), [("flux_dev_dir", 32), ("qwen_image_dir", 16)])
+def test_family_rows_with_different_caches_in_one_forward_give_their_own_images(
+    checkpoint, side, request, psnr
+) -> None:
+    """FLUX.1 (double and single block lists) and Qwen-Image (true CFG: a cond and an uncond row of different
+    text lengths per job, padded to the forward's longest)."""
     import omni_models
 
-    pipe = omni_models.load(str(flux_dev_dir), device="cpu")
-    stats = _check_batched_equals_alone(pipe, psnr, 6, height=32, width=32)
+    pipe = omni_models.load(str(request.getfixturevalue(checkpoint)), device="cpu")
+    stats = _check_batched_equals_alone(pipe, psnr, 6, height=side, width=side)
     assert stats[3].computed_steps < stats[3].num_steps  # the custom config skipped on the random model

@@ -71,7 +71,7 @@ def test_batch_invariant_cached_requests_are_bitwise_their_alone_images(flux) ->
 
 
 def test_cached_requests_in_shared_paged_forwards_match_their_alone_images(shipped, tools) -> None:
-    requests = _requests(num_inference_steps=6)
+    requests = _requests(num_inference_steps=4)
     engine = _engine(shipped, max_rows_per_step=0)
     together = _run(engine, requests)
     for request_id, request in requests.items():

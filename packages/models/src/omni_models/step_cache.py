@@ -11,7 +11,12 @@ Methods (``StepCacheConfig.method``):
 - ``"residual"`` (the FBCache/DBCache test): after the first ``F`` blocks, the relative L1 change of their
   residual against the row's last *computed* step, ``sum |r_t - r_c| / sum |r_c|``, decides: below
   ``threshold`` the step is cached;
-- ``"mask"``: a static step mask, a named preset or the list of step indices that compute.
+- ``"mask"``: a static step mask, a named preset or the list of step indices that compute;
+- ``"magcache"`` (MagCache-style): ``ratios[t]`` is the model's calibrated ratio of the middle residual's mean
+  magnitude at step ``t`` to step ``t - 1`` (``python -m omni_models.step_cache_calibrate``). Since the last
+  computed step ``c``, the error of reusing its residual at step ``t`` is estimated as
+  ``sum_{k=c+1..t} |1 - prod_{j=c+1..k} ratios[j]|``; below ``threshold`` the step is cached. No measurement runs
+  in the forward, so ``first_blocks`` may be 0.
 
 Guards common to both: the first ``warmup_steps`` compute; a step computes when the job has cached
 ``max_consecutive_cached`` steps in a row or ``max_cached_steps`` in all; with ``compute_last_step`` the last
@@ -39,7 +44,7 @@ from msgspec import Meta
 
 from omni_models.errors import InvalidRequestError
 
-Method = Literal["off", "residual", "mask"]
+Method = Literal["off", "residual", "mask", "magcache"]
 MaskPreset = Literal["medium", "fast", "ultra"]
 MAX_TAYLOR_ORDER = 2
 PARAM = "cache"
@@ -49,7 +54,8 @@ class StepCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """One request's step cache (every knob concrete; see the module docstring).
 
     ``mask``: for ``method="mask"``, a preset (``medium``: compute every 2nd step after the warm-up, ``fast``:
-    every 3rd, ``ultra``: every 4th) or the indices of the steps that compute.
+    every 3rd, ``ultra``: every 4th) or the indices of the steps that compute. ``ratios``: for
+    ``method="magcache"``, one calibrated magnitude ratio per step of the request.
     """
 
     method: Method = "residual"
@@ -62,6 +68,7 @@ class StepCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     compute_last_step: bool = True
     taylor_order: Annotated[int, Meta(ge=0, le=MAX_TAYLOR_ORDER)] = 0
     mask: MaskPreset | list[Annotated[int, Meta(ge=0)]] | None = None
+    ratios: list[Annotated[float, Meta(gt=0.0, le=100.0)]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -69,16 +76,13 @@ class StepCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 OFF = StepCacheConfig(method="off")
-# Tuned on the two trained models (benchmarks/RESULTS.md, 2026-12-02): ``safe`` keeps >= 35 dB against the uncached
-# image, ``fast`` >= 30 dB; both within their adherence bounds.
+# Tuned on the two trained models (benchmarks/RESULTS.md, 2026-12-02: omni-shapes-tiny at 20 steps and
+# omni-flux-shapes-tiny at 28, on CPU): ``safe`` keeps the median image >= 35 dB from the uncached one with adherence
+# unchanged, ``fast`` >= 30 dB within 2 points.
 PRESETS: dict[str, StepCacheConfig] = {
     "off": OFF,
-    "safe": StepCacheConfig(
-        method="residual", first_blocks=1, threshold=0.05, warmup_steps=3, max_consecutive_cached=2
-    ),
-    "fast": StepCacheConfig(
-        method="residual", first_blocks=1, threshold=0.12, warmup_steps=2, max_consecutive_cached=3, taylor_order=1
-    ),
+    "safe": StepCacheConfig(method="residual", first_blocks=1, threshold=0.1, warmup_steps=3, max_consecutive_cached=2),
+    "fast": StepCacheConfig(method="residual", first_blocks=1, threshold=0.2, warmup_steps=2, max_consecutive_cached=3),
 }
 KNOBS: tuple[str, ...] = StepCacheConfig.__struct_fields__
 
@@ -159,8 +163,21 @@ def check_config(config: StepCacheConfig, *, num_blocks: int | None, num_steps: 
     if config.method == "residual":
         if config.first_blocks < 1:
             raise _invalid(f"{where}.first_blocks must be >= 1 for the residual test (its residual decides)")
-        if config.mask is not None:
-            raise _invalid(f'{where}.mask applies to method "mask" only')
+    if config.method != "mask" and config.mask is not None:
+        raise _invalid(f'{where}.mask applies to method "mask" only')
+    if config.method != "magcache" and config.ratios is not None:
+        raise _invalid(f'{where}.ratios applies to method "magcache" only')
+    if config.method == "magcache":
+        if config.ratios is None:
+            raise _invalid(
+                f'{where}.ratios is required for method "magcache": one magnitude ratio per step, as '
+                "python -m omni_models.step_cache_calibrate records them for the model and steps count"
+            )
+        if num_steps is not None and len(config.ratios) != num_steps:
+            raise _invalid(
+                f"{where}.ratios has {len(config.ratios)} entries but the request has {num_steps} steps; calibrate "
+                "for this steps count"
+            )
     if config.method == "mask":
         if config.mask is None:
             raise _invalid(f'{where}.mask is required for method "mask": a preset (medium, fast, ultra) or steps')
@@ -231,6 +248,16 @@ def needs_probe(config: StepCacheConfig) -> bool:
     return config.method == "residual"
 
 
+def magnitude_error(ratios: Sequence[float], last_computed: int, step: int) -> float:
+    """MagCache's estimate of the error of reusing step ``last_computed``'s residual at ``step``: the accumulated
+    ``|1 - product of the ratios since then|`` over the skipped steps and this one."""
+    product, error = 1.0, 0.0
+    for k in range(last_computed + 1, step + 1):
+        product *= ratios[k]
+        error += abs(1.0 - product)
+    return error
+
+
 def decide(config: StepCacheConfig, decisions: Decisions, step: int, diff: float | None) -> bool:
     """True: ``step`` computes the middle blocks; False: it reuses the cached residual. ``diff`` is the job's
     relative L1 change of the first blocks' residual (residual test; None when not measured)."""
@@ -238,6 +265,8 @@ def decide(config: StepCacheConfig, decisions: Decisions, step: int, diff: float
         return True
     if config.method == "mask":
         return mask_computes(config.mask, step, config.warmup_steps)
+    if config.method == "magcache":
+        return magnitude_error(config.ratios, decisions.last_computed, step) >= config.threshold
     return diff is None or not math.isfinite(diff) or diff >= config.threshold
 
 
@@ -292,6 +321,7 @@ __all__ = [
     "StepCacheStats",
     "check_config",
     "decide",
+    "magnitude_error",
     "mask_computes",
     "must_compute",
     "needs_probe",
