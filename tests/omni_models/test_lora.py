@@ -58,12 +58,12 @@ def flux_reference(flux_dev_dir):
     return diffusers.FluxPipeline.from_pretrained(str(flux_dev_dir), dtype=torch.float32)
 
 
-def _reference_image(reference, path, scale, prompt, seed, **kwargs):
+def _reference_image(reference, path, scale, prompt, seed, text=TEXT, **kwargs):
     reference.load_lora_weights(str(path), adapter_name="under_test")
     try:
         reference.set_adapters(["under_test"], [scale])
         generator = torch.Generator("cpu").manual_seed(seed)
-        return reference(prompt, generator=generator, **TEXT, **kwargs).images[0]
+        return reference(prompt, generator=generator, **text, **kwargs).images[0]
     finally:
         reference.delete_adapters(["under_test"])
 
@@ -247,6 +247,7 @@ def test_switching_and_mixing_adapters_never_recompiles(flux):
     torch._dynamo.reset()
     block = flux.transformer.single_transformer_blocks[0]
     block.compile(backend="eager", dynamic=False)
+    flux.lora.backend = "triton"  # what CUDA serves: the kernels (interpreted here) as one op in the graph
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
             for adapters in (["a", "b"], ["b", None], [None, None], ["a", "a"]):
@@ -257,6 +258,7 @@ def test_switching_and_mixing_adapters_never_recompiles(flux):
                 flux.start(jobs)
                 flux.step(jobs)
     finally:
+        flux.lora.backend = "auto"
         block._compiled_call_impl = None
         torch._dynamo.reset()
 
@@ -342,3 +344,40 @@ def test_requests_name_adapters_and_scales_by_the_rules(flux):
     assert job.lora.name == "a" and job.request.lora_scale == -1.0
     flux.release([job])
     assert job.lora is None
+
+
+# --- the shipped adapter -----------------------------------------------------------------------------------------
+
+
+def test_shipped_colour_shift_adapter_matches_diffusers_and_shifts_only_its_own_rows(psnr):
+    """``omni-flux-shapes-tiny/lora/colour-shift``: diffusers draws what omni draws with it, and in one batched
+    forward the row asking for it is drawn one palette step on while its neighbour is not."""
+    from omni_models.hub import resolve_model_dir
+    from omni_models.training import flux_shapes as fs
+    from omni_models.training.scorer import read_scenes
+    from omni_models.training.shapes import split_scenes
+    from omni_models.training.train_lora import ADAPTER_NAME, shows_shift
+
+    directory = resolve_model_dir("omni-flux-shapes-tiny")
+    adapter = directory / "lora" / ADAPTER_NAME
+    pipe = omni_models.load("omni-flux-shapes-tiny", lora=LoRAOptions(max_loras=1, max_rank=16))
+    pipe.lora.register(ADAPTER_NAME, adapter)
+    scene = split_scenes()[1][0]  # held out of the base model's training and of the adapter's fit
+    steps = dict(num_inference_steps=4, height=64, width=64)
+    jobs = [
+        job
+        for lora in (ADAPTER_NAME, None)
+        for job in pipe.prepare(
+            resolve_request(pipe.info, GenerationRequest(prompt=scene.caption(), lora=lora, seed=10_000, **steps))
+        )
+    ]
+    pipe.start(jobs)
+    while not jobs[0].finished:
+        pipe.step(jobs)
+    shifted_image, neighbour = pipe.decode(jobs)
+    with_adapter, without = read_scenes(fs.scorer_images([shifted_image, neighbour]))
+    assert shows_shift(with_adapter, scene) and not shows_shift(without, scene), (with_adapter, without, scene)
+    reference = diffusers.FluxPipeline.from_pretrained(str(directory), dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    expected = _reference_image(reference, adapter, 1.0, scene.caption(), 10_000, text={}, **steps)
+    assert psnr(shifted_image, expected) >= TARGET_DB

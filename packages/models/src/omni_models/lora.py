@@ -129,10 +129,11 @@ class LoRAAdapter:
 @dataclass(frozen=True)
 class LoRARows:
     """The row table of one forward: ``slots`` int32 ``[rows]`` (-1: no adapter) and ``scales`` float32 ``[rows]``
-    on the device."""
+    on the device; ``any_adapter``: some row has one (host-side, so the reference path can skip a forward without)."""
 
     slots: Tensor
     scales: Tensor
+    any_adapter: bool = True
 
     @property
     def num_rows(self) -> int:
@@ -361,6 +362,8 @@ class LoRARuntime:
             rows = self._rows
             if rows is None:  # a forward outside ``rows()``: the base model alone
                 return output
+            if not self._triton and not rows.any_adapter:  # the kernels skip such rows themselves, in one graph
+                return output
             return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=self._triton)
 
         return add_lora
@@ -491,6 +494,7 @@ class LoRARuntime:
         table = LoRARows(
             torch.tensor(indices, dtype=torch.int32).to(self._device, non_blocking=True),
             torch.tensor([float(s) for s in scales], dtype=torch.float32).to(self._device, non_blocking=True),
+            any_adapter=bool(pinned),
         )
         previous, self._rows = self._rows, table
         try:
