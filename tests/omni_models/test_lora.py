@@ -345,6 +345,11 @@ def test_requests_name_adapters_and_scales_by_the_rules(flux):
     with pytest.raises(omni_models.InvalidRequestError, match="no LoRA adapter named 'zzz'") as error:
         flux.prepare(resolve_request(info, GenerationRequest(prompt="a cat", lora="zzz")))
     assert error.value.param == "model"
+    dit = omni_models.inspect("omni-shapes-tiny").info  # a model that takes no adapters names the field sent
+    for request, param in (({"lora": "a"}, "model"), ({"lora_scale": 0.5}, "lora_scale")):
+        with pytest.raises(omni_models.InvalidRequestError) as error:
+            resolve_request(dit, GenerationRequest(prompt="a red circle", **request))
+        assert error.value.param == param
     (job,) = flux.prepare(resolve_request(info, GenerationRequest(prompt="a cat", lora="a", lora_scale=-1)))
     assert job.lora.name == "a" and job.request.lora_scale == -1.0
     flux.release([job])

@@ -80,7 +80,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "true_cfg_scale": ("true_cfg_scale",),
     "lyrics": ("lyrics",),
     "max_new_tokens": ("max_new_tokens",),
-    "lora": ("lora", "lora_scale"),
+    "lora": ("lora",),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1}
 
@@ -139,9 +139,11 @@ def resolve_request(
     for field in _FIELD_ATTRIBUTES:
         if field not in info.accepts and _given(request, field):
             raise InvalidRequestError(
-                f"{info.variant} does not use {field}; it accepts {', '.join(info.accepts)}", param=field
+                f"{info.variant} does not use {field}; it accepts {', '.join(info.accepts)}",
+                param="model" if field == "lora" else field,  # an adapter is named by the request's model
             )
     prompt = _text(request.prompt, "prompt", required=True)
+    lora, lora_scale = _lora(request)
     if info.audio is not None:
         return _resolve_music(info, request, prompt, rng)
     limits = info.image
@@ -165,7 +167,6 @@ def resolve_request(
         else _text(negative, "negative_prompt", required=False)
     )
     guidance, true_cfg = _guidance(info, request)
-    lora, lora_scale = _lora(request)
     return ResolvedRequest(
         prompt=prompt,
         negative_prompt=negative,
