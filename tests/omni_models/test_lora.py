@@ -226,6 +226,22 @@ def test_more_adapters_than_slots_split_the_forward_and_reload_from_disk(flux_de
         assert psnr(image, _alone(flux, **r)) >= TARGET_DB
 
 
+def test_offloaded_and_fp8_bases_serve_adapters_with_their_weights_untouched(flux_dev_dir, flux_adapters, flux, psnr):
+    from fp8_cache import FP8Linear
+
+    request = dict(prompt="a red circle", seed=6, lora="a", **COMMON)
+    expected = flux(**request)[0]
+    offloaded = omni_models.load(str(flux_dev_dir), layerwise_offload=True, lora=LoRAOptions(max_rank=8), **TEXT)
+    offloaded.lora.register("a", flux_adapters["a"])
+    assert psnr(offloaded(**request)[0], expected) == float("inf")  # offload is exact; so is the adapter on it
+    fp8 = omni_models.load(str(flux_dev_dir), quantization="fp8", lora=LoRAOptions(max_rank=8), **TEXT)
+    fp8.lora.register("a", flux_adapters["a"])
+    quantized = {n: m.weight.clone() for n, m in fp8.transformer.named_modules() if isinstance(m, FP8Linear)}
+    assert quantized and set(quantized) <= set(fp8.lora.targets)
+    assert psnr(fp8(**request)[0], fp8(**{**request, "lora": None})[0]) < 30.0
+    assert all(torch.equal(fp8.transformer.get_submodule(n).weight, w) for n, w in quantized.items())
+
+
 def test_an_fp8_linear_keeps_its_weights_and_gets_the_delta():
     from fp8_cache import FP8Linear
     from omni_models.lora import LoRALayer, LoRAWeights
