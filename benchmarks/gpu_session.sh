@@ -59,6 +59,8 @@ for s in "${steps[@]}"; do
     real_flux) step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
     # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
     real_engine) step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
+    # Issue 27: LoRA per request at FLUX.1-dev size, rank 64 (carry diffusers, peft and accelerate wheels in .whl/).
+    lora) step lora 560 python3 benchmarks/lora.py --out "$R" ;;
     real_qwen) step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
     # Shorter re-measurements of omni's own phases (no diffusers run for FLUX; Qwen keeps diffusers eager and
     # compiled as the baseline for the ragged-attention change), FP8 online so no 24-41 GB checkpoint is written.

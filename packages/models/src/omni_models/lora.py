@@ -122,9 +122,6 @@ class LoRAAdapter:
     nbytes: int
     load_s: float  # reading the file and converting it, the first time
 
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name, "path": str(self.path), "rank": self.rank, "layers": self.num_layers}
-
 
 @dataclass(frozen=True)
 class LoRARows:

@@ -94,7 +94,7 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "max_new_tokens": ("max_new_tokens",),
     "image": ("images",),
     "cache": ("cache",),
-    "lora": ("lora", "lora_scale"),
+    "lora": ("lora",),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "image": ()}
 
@@ -158,9 +158,11 @@ def resolve_request(
     for field in _FIELD_ATTRIBUTES:
         if field not in info.accepts and _given(request, field):
             raise InvalidRequestError(
-                f"{info.variant} does not use {field}; it accepts {', '.join(info.accepts)}", param=field
+                f"{info.variant} does not use {field}; it accepts {', '.join(info.accepts)}",
+                param="model" if field == "lora" else field,  # an adapter is named by the request's model
             )
     prompt = _text(request.prompt, "prompt", required=True)
+    lora, lora_scale = _lora(request)
     if info.audio is not None:
         return _resolve_music(info, request, prompt, rng)
     limits = info.image
@@ -198,7 +200,6 @@ def resolve_request(
         cache = parse_step_cache(
             request.cache, num_blocks=info.transformer_blocks, num_steps=steps, default=default_cache
         )
-    lora, lora_scale = _lora(request)
     return ResolvedRequest(
         prompt=prompt,
         negative_prompt=negative,
