@@ -516,7 +516,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
                     family,
                     device=transformer_device,
                     dtype=dtype,
-                    cache_dir=Path(options.fp8_cache_dir),
+                    # One artifact per cache directory: a second denoiser's lives in a subdirectory named after it.
+                    cache_dir=Path(options.fp8_cache_dir) / ("" if slot_name == "transformer" else slot_name),
                     component=slot_name,
                 )
             else:

@@ -387,7 +387,7 @@ def wan_components(
     boundary_ratio: float = 0.875,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """``WanPipeline`` constructor arguments with random weights, tiny (2 blocks of width 24, a 4-level VAE of
+    """``WanPipeline`` constructor arguments with random weights, tiny (2 blocks of width 32, a 4-level VAE of
     base width 3; UMT5 of width 32): ``"wan2.1"`` (one transformer), ``"wan2.2-a14b"`` (two experts switched at
     ``boundary_ratio``), ``"wan2.2-ti2v"`` (``expand_timesteps``, a 48-channel residual VAE with 2x2 patches).
     The scheduler is the released checkpoints' UniPC (flow prediction, flow sigmas, shift 3)."""
@@ -399,7 +399,7 @@ def wan_components(
         "WanTransformer3DModel",
         patch_size=(1, 2, 2),
         num_attention_heads=2,
-        attention_head_dim=12,
+        attention_head_dim=16,  # width 32: FP8 linears need multiples of 16
         in_channels=z_dim,
         out_channels=z_dim,
         text_dim=32,
