@@ -131,7 +131,7 @@ def msgspec_replace(request: GenerationRequest, **changes) -> GenerationRequest:
 def test_video_requests_are_checked_once_and_image_models_refuse_video_fields(wan21_dir, flux_schnell_dir):
     spec = omni_models.inspect(str(wan21_dir))
     info = spec.info
-    assert spec.kind == "wan" and not spec.capabilities.lora and not spec.capabilities.compile
+    assert spec.kind == "wan" and not spec.capabilities.lora and spec.capabilities.compile
     # A tiny checkpoint's defaults are small; the released ones' are 832x480, 81 frames at 16 fps.
     resolved = resolve_request(info, GenerationRequest(prompt="a cat"))
     assert (resolved.width, resolved.height, resolved.num_frames, resolved.fps) == (64, 64, 9, 16)
@@ -177,8 +177,8 @@ def test_wan_checkpoint_problems_are_named_before_loading(wan21_dir, wan22_a14b_
     unknown = copy_with_index(wan21_dir, "setting", lambda index: index.update(frame_interpolation=2))
     with pytest.raises(CheckpointError, match="frame_interpolation=2 is a WanPipeline setting omni does not support"):
         omni_models.load(str(unknown))
-    with pytest.raises(ValueError, match="lora, compile: not supported by the wan family"):
-        omni_models.load(str(wan21_dir), lora=omni_models.LoRAOptions(max_loras=1, max_rank=4), compile=True)
+    with pytest.raises(ValueError, match="lora: not supported by the wan family"):
+        omni_models.load(str(wan21_dir), lora=omni_models.LoRAOptions(max_loras=1, max_rank=4))
 
 
 def test_wan22_ti2v_text_to_video_matches_diffusers(wan22_ti2v_dir):
@@ -256,3 +256,12 @@ def test_fp8_of_both_experts_online_and_from_the_cache(wan22_a14b_dir, tmp_path)
     warm = omni_models.load(str(wan22_a14b_dir), quantization="fp8", fp8_cache_dir=cache)
     _, warm_videos = _generate(warm)
     assert all(np.array_equal(a.frames, b.frames) for a, b in zip(warm_videos, online_videos, strict=True))
+
+
+def test_compiled_blocks_of_both_experts_keep_the_frames(wan22_a14b_dir):
+    _, eager = _generate(omni_models.load(str(wan22_a14b_dir)), n=1)
+    pipe = omni_models.load(str(wan22_a14b_dir), compile=True, compile_backend="eager")  # dynamo capture only
+    assert pipe.compiled is not None
+    assert all(block._compiled_call_impl is not None for model in pipe.backend.denoisers for block in model.blocks)
+    _, compiled = _generate(pipe, n=1)
+    assert np.array_equal(compiled[0].frames, eager[0].frames)

@@ -169,7 +169,6 @@ FAMILY = DiffusersFamily(
     settings=("boundary_ratio", "expand_timesteps"),
     denoisers=("transformer", "transformer_2"),
     cfg_parallel=False,
-    compile=False,
     lora=False,
 )
 
@@ -191,6 +190,11 @@ class WanBackend(DiffusersBackend):
         )
         self.expand_timesteps = bool(config.expand_timesteps)
         pipeline.vae.enable_tiling()
+
+    def compile_targets(self) -> list[torch.nn.Module]:
+        """Every block of every expert (the VAE decoder is not compiled: its causal feature cache is Python state
+        that changes every frame)."""
+        return [block for model in self.denoisers for block in model.blocks]
 
     def encoder_settings(self) -> tuple:
         return (*super().encoder_settings(), "wan")
