@@ -90,7 +90,8 @@ def info(
         family="wan",
         variant=variant,
         task="text-to-video",
-        accepts=(*ACCEPTS, *VIDEO_ACCEPTS, *(("guidance_scale_2",) if experts == 2 else ())),
+        # The step cache reuses one transformer's middle residual, so it is not offered across two experts.
+        accepts=(*ACCEPTS, *VIDEO_ACCEPTS, *(("guidance_scale_2",) if experts == 2 else ("cache",))),
         transformer_blocks=int(transformer_config.get("num_layers", 40)),
         image=ImageLimits(
             sizes=(size,),
@@ -159,6 +160,7 @@ FAMILY = DiffusersFamily(
         block_lists=("blocks",),
         resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
         fp8_ignore=("patch_embedding", "condition_embedder.*", "proj_out"),
+        block_call="cross",
     ),
     backend="omni_models.backends.wan:WanBackend",
     pipeline="omni_models.video_family:VideoFamilyPipeline",
