@@ -170,7 +170,6 @@ FAMILY = DiffusersFamily(
     max_sequence_length_limit=MAX_SEQUENCE_LENGTH,
     settings=("boundary_ratio", "expand_timesteps"),
     denoisers=("transformer", "transformer_2"),
-    cfg_parallel=False,
     lora=False,
 )
 
