@@ -145,6 +145,7 @@ class DiffusersFamily:
     settings: tuple[str, ...] = ()
     denoisers: tuple[str, ...] = ("transformer",)
     pipeline: str | None = None
+    float32_components: tuple[str, ...] = ()  # loaded in float32 whatever the load dtype (Wan's VAE, as Wan runs it)
     # What load(...) options and omni features the family takes (ModelSpec.capabilities; the rest is refused).
     cfg_parallel: bool = True
     compile: bool = True

@@ -35,7 +35,6 @@ from omni_models.parallel import ParallelState, check_sequence_parallel
 
 if TYPE_CHECKING:
     from omni_models.families import DenoiseRow, FamilyPipeline
-    from omni_models.step_cache_blocks import StepCachePlan
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -170,6 +170,8 @@ FAMILY = DiffusersFamily(
     max_sequence_length_limit=MAX_SEQUENCE_LENGTH,
     settings=("boundary_ratio", "expand_timesteps"),
     denoisers=("transformer", "transformer_2"),
+    # Wan's own code and diffusers' Wan examples decode in float32 (the VAE is small; bf16 decoding shows banding).
+    float32_components=("vae",),
     lora=False,
 )
 
