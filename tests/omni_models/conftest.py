@@ -101,6 +101,24 @@ def qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _family_checkpoint(tmp_path_factory, "qwen-image")
 
 
+def _wan_checkpoint(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Path:
+    pytest.importorskip("diffusers")
+    from omni_models import synthetic
+
+    directory = tmp_path_factory.mktemp(variant)
+    return synthetic.save_checkpoint("wan", synthetic.wan_components(variant), directory, max_shard_size="40KB")
+
+
+@pytest.fixture(scope="session")
+def wan21_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_checkpoint(tmp_path_factory, "wan2.1")
+
+
+@pytest.fixture(scope="session")
+def wan22_a14b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_checkpoint(tmp_path_factory, "wan2.2-a14b")
+
+
 # --- a local Hugging Face cache ----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """Diffusion pipelines for omni behind one model contract: the causal-prefix DiT family with the shipped
-omni-shapes-tiny, real families from diffusers-layout checkpoints (FLUX.1, Qwen-Image), and the two-stage music
-family with the shipped omni-tones-tiny.
+omni-shapes-tiny, real families from diffusers-layout checkpoints (FLUX.1, Qwen-Image; Wan 2.1 / 2.2 video), and
+the two-stage music family with the shipped omni-tones-tiny.
 
 - ``inspect(name) -> ModelSpec``: what a model is and accepts, from metadata alone;
 - ``load(name, ...) -> StepwisePipeline``: any kind, through one registry (``omni_models.registry``);
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.8.0"
+__version__ = "0.9.0"
 
 if TYPE_CHECKING:
     from omni_models.contract import Job, PagedPipeline, StepwisePipeline
@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from omni_models.registry import LoadOptions, inspect, inspect_lora, load
     from omni_models.request import GenerationRequest, ResolvedRequest, resolve_request
     from omni_models.runner import GenerationJob
-    from omni_models.spec import AudioLimits, Capabilities, ImageLimits, ModelInfo, ModelSpec, SizeRange
+    from omni_models.spec import AudioLimits, Capabilities, ImageLimits, ModelInfo, ModelSpec, SizeRange, VideoLimits
+    from omni_models.video import Video
+    from omni_models.video_family import VideoFamilyPipeline, VideoJob
 
 _LAZY = {
     "Job": "omni_models.contract",
@@ -56,6 +58,10 @@ _LAZY = {
     "ModelInfo": "omni_models.spec",
     "ModelSpec": "omni_models.spec",
     "SizeRange": "omni_models.spec",
+    "VideoLimits": "omni_models.spec",
+    "Video": "omni_models.video",
+    "VideoFamilyPipeline": "omni_models.video_family",
+    "VideoJob": "omni_models.video_family",
 }
 
 
@@ -92,6 +98,10 @@ __all__ = [
     "ResolvedRequest",
     "SizeRange",
     "StepwisePipeline",
+    "Video",
+    "VideoFamilyPipeline",
+    "VideoJob",
+    "VideoLimits",
     "__version__",
     "decode_input_image",
     "inspect",

@@ -211,6 +211,8 @@ def _check_components(index: PipelineIndex, family: DiffusersFamily) -> dict[str
     for name, slot in family.slots.items():
         entry = index.components.get(name)
         if entry is None:
+            if slot.optional:
+                continue
             raise CheckpointError(index.path, f"has no {name!r} component; {family.pipeline_class} needs one")
         if entry.library != slot.library or entry.class_name not in slot.classes:
             raise CheckpointError(
@@ -231,10 +233,25 @@ def _check_components(index: PipelineIndex, family: DiffusersFamily) -> dict[str
             if name not in family.ignored:
                 raise CheckpointError(index.path, f"component {name!r} is not part of {family.pipeline_class}")
             logger.info("%s: ignoring the optional %s component (not used by omni)", index.path, name)
+    for name, value in index.settings.items():
+        # A setting omni does not know is refused unless it is off (null or false: the feature is not used).
+        if name not in family.settings and value not in (None, False):
+            raise CheckpointError(
+                index.path, f"{name}={value!r} is a {family.pipeline_class} setting omni does not support"
+            )
     return entries
 
 
 # --- materialisation ---------------------------------------------------------------------------------------------
+
+
+def keeps_in_fp32(cls: type, name: str) -> bool:
+    """Whether diffusers keeps parameter ``name`` of a ``cls`` model in float32 whatever the load dtype (the
+    class's ``_keep_in_fp32_modules``, matched on the name's dotted parts as ``from_pretrained`` matches them:
+    Wan's norms, time embedder and modulation tables)."""
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    parts = name.split(".")
+    return any(module in parts for module in keep)
 
 
 def _new_diffusers_model(preflighted: PreflightedModel, dtype: torch.dtype) -> nn.Module:
@@ -250,7 +267,9 @@ def _load_diffusers_model(preflighted: PreflightedModel, *, device: torch.device
     state: dict[str, Tensor] = {}
     for file in preflighted.files:
         for name, tensor in load_file(str(file), device=str(device)).items():
-            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.float32 if keeps_in_fp32(preflighted.cls, name) else dtype)
+            state[name] = tensor
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)
 
@@ -262,15 +281,17 @@ def _load_fp8_transformer(
     device: torch.device,
     dtype: torch.dtype,
     cache_dir: Path,
+    component: str = "transformer",
 ) -> tuple[nn.Module, Any]:
-    """The transformer with FP8 linears from ``fp8_cache``'s on-disk cache (built from the checkpoint on a miss)."""
+    """A denoiser (the ``component`` slot) with FP8 linears from ``fp8_cache``'s on-disk cache (built from the
+    checkpoint on a miss)."""
     from fp8_cache import load_fp8_state_dict, load_fp8_weights
 
     result = load_fp8_weights(
         [str(f) for f in preflighted.files],
         cache_dir,
         device=device,
-        component="transformer",
+        component=component,
         ignore=family.declaration.fp8_ignore,
     )
     logger.info("FP8 cache %s: %s", cache_dir, "hit" if result.hit else f"miss ({result.reason})")
@@ -302,9 +323,13 @@ def _load_transformers_model(preflighted: PreflightedModel, *, device: torch.dev
     return model.to(device).eval().requires_grad_(False)
 
 
-def backend_class(family: DiffusersFamily) -> type[DiffusersBackend]:
-    module, _, name = family.backend.partition(":")
+def _named_class(qualified: str) -> type:
+    module, _, name = qualified.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def backend_class(family: DiffusersFamily) -> type[DiffusersBackend]:
+    return _named_class(family.backend)
 
 
 def build_family_pipeline(
@@ -318,25 +343,35 @@ def build_family_pipeline(
     offload: Any = None,
     fp8: Any = None,
     prompt_embed_cache_size: int = 0,
+    offloads: Mapping[str, Any] | None = None,
 ) -> FamilyPipeline:
-    """A ``FamilyPipeline`` over already-loaded diffusers/transformers components (the diffusers pipeline's
-    constructor arguments). omni's attention processors are installed on the transformer."""
+    """A ``FamilyPipeline`` (the family's ``pipeline`` class) over already-loaded diffusers/transformers components
+    (the diffusers pipeline's constructor arguments, with its settings). omni's attention processors are installed
+    on every denoiser, for families that have their own. ``offloads``: each offloaded denoiser's
+    ``LayerwiseOffload`` by slot (``offload`` alone: the ``transformer``'s)."""
     pipeline = library_class("diffusers", family.pipeline_class)(**components)
     length = max_sequence_length or family.default_max_sequence_length(pipeline.transformer.config)
     if not 1 <= length <= family.max_sequence_length_limit:
         raise ValueError(f"max_sequence_length must be in [1, {family.max_sequence_length_limit}], got {length}")
     backend_cls = backend_class(family)
-    pipeline.transformer.set_attn_processor(backend_cls.attention_processor())
+    if backend_cls.attention_processor is not None:
+        for slot in family.denoisers:
+            if getattr(pipeline, slot, None) is not None:
+                getattr(pipeline, slot).set_attn_processor(backend_cls.attention_processor())
     backend = backend_cls(pipeline, device=device, dtype=dtype, max_sequence_length=length)
-    return FamilyPipeline(
+    offloads = dict(offloads or ({} if offload is None else {"transformer": offload}))
+    pipeline_cls = FamilyPipeline if family.pipeline is None else _named_class(family.pipeline)
+    built = pipeline_cls(
         backend,
         name=name,
         device=device,
         dtype=dtype,
-        offload=offload,
+        offload=offloads.get("transformer"),
         fp8=fp8,
         prompt_embed_cache_size=prompt_embed_cache_size,
     )
+    built.offloads = offloads
+    return built
 
 
 @dataclass
@@ -347,6 +382,11 @@ class PreflightedCheckpoint:
     family: DiffusersFamily
     models: dict[str, PreflightedModel]
     host_components: dict[str, Any]
+    settings: dict[str, Any]  # the family's settings (model_index.json values; None where absent)
+
+    def configs(self) -> dict[str, Any]:
+        """The config of every diffusers model component, by slot (what ``check_configs`` reads)."""
+        return {name: model.config for name, model in self.models.items() if model.entry.library == "diffusers"}
 
 
 def preflight_family_checkpoint(family: DiffusersFamily, directory: Path) -> PreflightedCheckpoint:
@@ -363,7 +403,9 @@ def preflight_family_checkpoint(family: DiffusersFamily, directory: Path) -> Pre
     models: dict[str, PreflightedModel] = {}
     host_components: dict[str, Any] = {}
     for slot_name, slot in family.slots.items():
-        entry = entries[slot_name]
+        entry = entries.get(slot_name)
+        if entry is None:
+            continue  # an optional component the checkpoint leaves out
         if slot.kind == "model":
             cls = library_class(slot.library, entry.class_name)
             preflight = _preflight_diffusers_model if slot.library == "diffusers" else _preflight_transformers_model
@@ -372,10 +414,12 @@ def preflight_family_checkpoint(family: DiffusersFamily, directory: Path) -> Pre
             host_components[slot_name] = _load_tokenizer(entry)
         else:
             host_components[slot_name] = _load_scheduler(entry)
-    problem = family.check_configs(models["transformer"].config, models["vae"].config)
+    settings = {name: index.settings.get(name) for name in family.settings}
+    checked = PreflightedCheckpoint(family, models, host_components, settings)
+    problem = family.check_configs(checked.configs(), settings)
     if problem is not None:
         raise CheckpointError(models["transformer"].entry.directory / "config.json", problem)
-    return PreflightedCheckpoint(family, models, host_components)
+    return checked
 
 
 def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> ModelSpec:
@@ -385,19 +429,36 @@ def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> Model
     return ModelSpec(
         kind=family.name,
         directory=str(directory),
-        info=family.info(name, transformer, vae, None),
+        info=family.info(name, transformer, vae, None, checked.settings),
         capabilities=Capabilities(
             fp8=True,
             layerwise_offload=True,
             offload_allgather=False,
-            cfg_parallel=True,
+            cfg_parallel=family.cfg_parallel,
             sequence_parallel=family.sequence_parallel,
             attention_heads=int(transformer.get("num_attention_heads", 1)),
-            compile=True,
+            compile=family.compile,
             prompt_embed_cache=True,
-            lora=True,
+            lora=family.lora,
         ),
     )
+
+
+def _merged_report(reports: Mapping[str, Any]) -> Any:
+    """One ``QuantizationReport`` for every quantized denoiser (the ``transformer``'s names as they are, another
+    slot's prefixed with it); None without FP8."""
+    if not reports:
+        return None
+    if list(reports) == ["transformer"]:
+        return reports["transformer"]
+    from fp8_cache import QuantizationReport
+
+    merged = QuantizationReport()
+    for slot, report in reports.items():
+        prefix = "" if slot == "transformer" else f"{slot}."
+        merged.quantized += [prefix + name for name in report.quantized]
+        merged.skipped.update({prefix + name: why for name, why in report.skipped.items()})
+    return merged
 
 
 def load_family(family: DiffusersFamily, directory: Path, name: str, options: LoadOptions) -> FamilyPipeline:
@@ -421,9 +482,18 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
         )
         if given
     ]
+    unsupported += [
+        name
+        for name, given, supported in (
+            ("lora", options.lora is not None, family.lora),
+            ("compile", options.compile, family.compile),
+        )
+        if given and not supported
+    ]
     if unsupported:
         raise ValueError(
-            f"{', '.join(unsupported)}: not supported by the {family.name} family (they apply to the causal-prefix DiT)"
+            f"{', '.join(unsupported)}: not supported by the {family.name} family (ModelSpec.capabilities says what "
+            "each family takes)"
         )
     checked = preflight_family_checkpoint(family, directory)
     models, host_components = checked.models, checked.host_components
@@ -431,43 +501,46 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
     loaded: dict[str, Any] = {}
     try:
         transformer_device = torch.device("cpu") if options.layerwise_offload else device
-        fp8 = None
+        denoisers = [slot for slot in family.denoisers if slot in models]
         for slot_name, preflighted in models.items():
-            if slot_name == "transformer":
+            if slot_name in denoisers:
                 continue
             load = _load_diffusers_model if preflighted.entry.library == "diffusers" else _load_transformers_model
             loaded[slot_name] = load(preflighted, device=device, dtype=dtype)
-        if options.quantization == "fp8" and options.fp8_cache_dir is not None:
-            loaded["transformer"], fp8 = _load_fp8_transformer(
-                models["transformer"],
-                family,
-                device=transformer_device,
-                dtype=dtype,
-                cache_dir=Path(options.fp8_cache_dir),
-            )
-        else:
-            loaded["transformer"] = _load_diffusers_model(models["transformer"], device=transformer_device, dtype=dtype)
-            if options.quantization == "fp8":
-                fp8 = quantize_family_fp8(family.declaration, loaded["transformer"])
-        offload = None
-        if options.layerwise_offload:
-            from dlo_offload import enable_layerwise_offload
+        reports = {}
+        offloads = {}
+        for slot_name in denoisers:
+            if options.quantization == "fp8" and options.fp8_cache_dir is not None:
+                loaded[slot_name], reports[slot_name] = _load_fp8_transformer(
+                    models[slot_name],
+                    family,
+                    device=transformer_device,
+                    dtype=dtype,
+                    cache_dir=Path(options.fp8_cache_dir),
+                    component=slot_name,
+                )
+            else:
+                loaded[slot_name] = _load_diffusers_model(models[slot_name], device=transformer_device, dtype=dtype)
+                if options.quantization == "fp8":
+                    reports[slot_name] = quantize_family_fp8(family.declaration, loaded[slot_name])
+            if options.layerwise_offload:
+                from dlo_offload import enable_layerwise_offload
 
-            offload = enable_layerwise_offload(
-                loaded["transformer"],
-                family_offload_plan(family.declaration, options.offload_resident_blocks),
-                device=device,
-                use_allgather=False,
-            )
+                offloads[slot_name] = enable_layerwise_offload(
+                    loaded[slot_name],
+                    family_offload_plan(family.declaration, options.offload_resident_blocks),
+                    device=device,
+                    use_allgather=False,
+                )
         pipeline = build_family_pipeline(
             family,
-            {**host_components, **loaded},
+            {**host_components, **checked.settings, **loaded},
             name=name,
             device=device,
             dtype=dtype,
             max_sequence_length=options.max_sequence_length,
-            offload=offload,
-            fp8=fp8,
+            offloads=offloads,
+            fp8=_merged_report(reports),
             prompt_embed_cache_size=options.prompt_embed_cache_size,
         )
         if options.lora is not None:

@@ -43,6 +43,7 @@ class PipelineIndex:
     directory: Path
     class_name: str
     components: Mapping[str, ComponentEntry]  # entries that are not [null, null]
+    settings: Mapping[str, Any]  # the pipeline's own config values (scalars: Wan's boundary_ratio, ...)
 
     @property
     def path(self) -> Path:
@@ -78,15 +79,19 @@ def read_pipeline_index(directory: Path) -> PipelineIndex:
     if not isinstance(class_name, str):
         raise CheckpointError(path, "has no string _class_name naming the pipeline")
     components = {}
+    settings = {}
     for name, value in index.items():
         if name.startswith("_"):
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)):
+            settings[name] = value  # a pipeline config value; the family says which it reads
             continue
         if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None:
             continue  # an optional component that is absent
         if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
             raise CheckpointError(path, f"component {name!r} must be [library, class], got {value!r}")
         components[name] = ComponentEntry(name, value[0], value[1], directory / name)
-    return PipelineIndex(directory, class_name, components)
+    return PipelineIndex(directory, class_name, components, settings)
 
 
 def read_config(entry: ComponentEntry, file_name: str = "config.json") -> dict[str, Any]:

@@ -94,6 +94,7 @@ class Slot:
     library: str
     classes: tuple[str, ...]
     kind: ComponentKind
+    optional: bool = False  # the checkpoint may leave it out (``[null, null]`` in model_index.json)
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,14 @@ class FamilyDeclaration:
 class DiffusersFamily:
     """Everything about one diffusers family that is not its backend's math.
 
-    ``info(name, transformer_config, vae_config, max_sequence_length)`` computes the family's ``ModelInfo`` from the
-    component configs alone (``omni_models.inspect`` and the loaded pipeline agree by construction);
-    ``check_configs(transformer_config, vae_config)`` returns why the components do not fit (or None);
-    ``backend`` names the ``DiffusersBackend`` subclass (``"module:Class"``).
+    ``info(name, transformer_config, vae_config, max_sequence_length, settings)`` computes the family's
+    ``ModelInfo`` from the component configs alone (``omni_models.inspect`` and the loaded pipeline agree by
+    construction); ``check_configs(configs, settings)`` returns why the components do not fit (or None), given the
+    config of every diffusers model component present (by slot name). ``settings`` are the pipeline's own config
+    values in ``model_index.json`` that the family reads (``settings`` names them: Wan's ``boundary_ratio``); any
+    other non-component entry there is refused. ``denoisers`` are the slots holding denoising transformers (loaded
+    with FP8 and layerwise offload; Wan2.2 A14B has two). ``backend`` names the ``DiffusersBackend`` subclass and
+    ``pipeline`` the ``FamilyPipeline`` class (``"module:Class"``; None: ``FamilyPipeline``).
     """
 
     name: str
@@ -126,12 +131,19 @@ class DiffusersFamily:
     slots: Mapping[str, Slot]
     declaration: FamilyDeclaration
     backend: str
-    info: Callable[[str, Mapping[str, Any], Mapping[str, Any], int | None], ModelInfo]
-    check_configs: Callable[[Mapping[str, Any], Mapping[str, Any]], str | None]
+    info: Callable[[str, Mapping[str, Any], Mapping[str, Any], int | None, Mapping[str, Any]], ModelInfo]
+    check_configs: Callable[[Mapping[str, Mapping[str, Any]], Mapping[str, Any]], str | None]
     default_max_sequence_length: Callable[[Mapping[str, Any]], int]
     max_sequence_length_limit: int
     sequence_parallel: bool = False  # Ulysses SP splits its rows' tokens (rows without ragged text)
     ignored: tuple[str, ...] = ()  # optional components the family never uses (e.g. FLUX's IP-adapter encoder)
+    settings: tuple[str, ...] = ()
+    denoisers: tuple[str, ...] = ("transformer",)
+    pipeline: str | None = None
+    # What load(...) options and omni features the family takes (ModelSpec.capabilities; the rest is refused).
+    cfg_parallel: bool = True
+    compile: bool = True
+    lora: bool = True
 
 
 def packing_problem(transformer_config: Mapping[str, Any], vae_latent_channels: Any) -> str | None:
@@ -307,6 +319,8 @@ class DiffusersBackend:
     """
 
     family: DiffusersFamily
+    # omni's attention processor class installed on the denoisers (None: diffusers' own processors stay).
+    attention_processor: Any = None
     # Submodules of the VAE that FamilyPipeline.compile compiles (the decoder, where its convolutions and norms pay).
     compiled_vae_modules: tuple[str, ...] = ()
 
@@ -314,15 +328,23 @@ class DiffusersBackend:
         self.pipeline = pipeline
         self.transformer: nn.Module = pipeline.transformer
         self.device, self.dtype = device, dtype
-        self.vae_scale_factor: int = pipeline.vae_scale_factor
+        self.vae_scale_factor: int = getattr(pipeline, "vae_scale_factor", 0)  # video families set their own
         self.latent_channels: int = self.transformer.config.in_channels // 4
         self.max_sequence_length = max_sequence_length
         self.block_lists = self.family.declaration.block_lists
 
     def describe(self, name: str) -> ModelInfo:
         return self.family.info(
-            name, dict(self.transformer.config), dict(self.pipeline.vae.config), self.max_sequence_length
+            name,
+            dict(self.transformer.config),
+            dict(self.pipeline.vae.config),
+            self.max_sequence_length,
+            self.settings(),
         )
+
+    def settings(self) -> dict[str, Any]:
+        """The pipeline config values the family reads (``DiffusersFamily.settings``)."""
+        return {name: self.pipeline.config.get(name) for name in self.family.settings}
 
     def encoder_settings(self) -> tuple:
         """What besides the text decides ``encode``'s output (the prompt-embedding cache's key)."""
@@ -415,6 +437,8 @@ class FamilyPipeline:
         self.device = device
         self.dtype = dtype
         self.offload = offload
+        # Every offloaded denoiser's LayerwiseOffload by slot (``offload`` is the ``transformer``'s).
+        self.offloads: dict[str, LayerwiseOffload] = {} if offload is None else {"transformer": offload}
         self.fp8 = fp8
         self.prompt_cache: PromptEmbeddingCache[TextEmbedding] = PromptEmbeddingCache(prompt_embed_cache_size)
         self.compiled: CompileSettings | None = None

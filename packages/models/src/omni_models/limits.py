@@ -15,6 +15,8 @@ MAX_INFERENCE_STEPS = 1000
 MAX_GUIDANCE_SCALE = 100.0
 MAX_SEED = 2**63 - 1
 MAX_IMAGES_PER_REQUEST = 10
+MAX_VIDEOS_PER_REQUEST = 4  # ``n`` of a video request: each video is a long sequence on its own
+MAX_FPS = 60  # a video's frame rate (a label of the output: the model draws the same frames)
 MAX_INPUT_IMAGES = 4  # input images of one edit request (a model may take fewer)
 MAX_LORA_SCALE = 10.0  # |lora_scale|: diffusers takes any weight; past a few times the trained delta is noise
 # A request that names no seed gets one drawn from [0, SEED_DRAW_RANGE), by ``draw_seed`` only.

@@ -20,6 +20,10 @@ What the fields mean, for every model kind:
 - ``cache``: the request's step cache (``omni_models.step_cache``): a preset name (``"off"``, ``"safe"``,
   ``"fast"``) or an object of knobs; unset: the caller's default (the server's ``--step-cache``). Resolved to a
   ``StepCacheConfig``, or None when off.
+- video (``ModelInfo.video``): ``num_frames`` (``frame_multiple * k + 1``), ``fps`` (the output's frame rate: a
+  label, the frames drawn do not depend on it) and, for a model of two experts (Wan2.2 A14B), ``guidance_scale_2``:
+  the low-noise expert's guidance; unset, it takes ``guidance_scale`` when the request gives one (diffusers' rule),
+  else the model's default. An image or music model refuses them by name; the resolved values are 0 / None there.
 - ``lora`` names a LoRA adapter the pipeline serves (a server maps ``model: "<adapter name>"`` onto it);
   ``lora_scale`` (default 1) multiplies its delta, as diffusers' ``set_adapters([name], [scale])``. Which adapters
   exist is the pipeline's state, checked by its ``prepare``; the scale is checked here.
@@ -59,6 +63,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     cache: str | dict[str, Any] | None = None
     lora: str | None = None
     lora_scale: float | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    guidance_scale_2: float | None = None
 
 
 class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +87,9 @@ class ResolvedRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache: StepCacheConfig | None = None  # None: no step cache
     lora: str | None = None
     lora_scale: float = 1.0
+    num_frames: int = 0  # 0: not a video model
+    fps: int = 0
+    guidance_scale_2: float | None = None  # a two-expert video model's low-noise guidance
 
 
 # The request fields ``ModelInfo.accepts`` names, and the attribute each is set through (``size``: two).
@@ -95,6 +105,9 @@ _FIELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "image": ("images",),
     "cache": ("cache",),
     "lora": ("lora",),
+    "num_frames": ("num_frames",),
+    "fps": ("fps",),
+    "guidance_scale_2": ("guidance_scale_2",),
 }
 _UNSET_VALUES: dict[str, Any] = {"negative_prompt": msgspec.UNSET, "n": 1, "image": ()}
 
@@ -195,6 +208,7 @@ def resolve_request(
         else _text(negative, "negative_prompt", required=False)
     )
     guidance, true_cfg = _guidance(info, request)
+    num_frames, fps, guidance_2 = _video(info, request, guidance)
     cache = None
     if "cache" in info.accepts:
         cache = parse_step_cache(
@@ -214,7 +228,31 @@ def resolve_request(
         cache=cache if cache is not None and cache.enabled else None,
         lora=lora,
         lora_scale=lora_scale,
+        num_frames=num_frames,
+        fps=fps,
+        guidance_scale_2=guidance_2,
     )
+
+
+def _video(info: ModelInfo, request: GenerationRequest, guidance: float) -> tuple[int, int, float | None]:
+    """(num_frames, fps, guidance_scale_2) of a video model; (0, 0, None) for an image model."""
+    limits = info.video
+    if limits is None:
+        return 0, 0, None
+    frames = limits.default_num_frames if request.num_frames is None else request.num_frames
+    if isinstance(frames, bool) or not isinstance(frames, int):
+        raise InvalidRequestError(f"num_frames must be an integer, got {frames!r}", param="num_frames")
+    problem = limits.num_frames_problem(frames)
+    if problem is not None:
+        raise InvalidRequestError(problem, param="num_frames")
+    fps = _integer(limits.default_fps if request.fps is None else request.fps, "fps", 1, limits.max_fps)
+    if limits.experts < 2:
+        return frames, fps, None
+    if request.guidance_scale_2 is not None:
+        return frames, fps, _scale(request.guidance_scale_2, "guidance_scale_2")
+    if request.guidance_scale is not None or limits.default_guidance_scale_2 is None:
+        return frames, fps, guidance
+    return frames, fps, limits.default_guidance_scale_2
 
 
 def _lora(request: GenerationRequest) -> tuple[str | None, float]:

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-Task = Literal["text-to-image", "text-to-music"]
+Task = Literal["text-to-image", "text-to-video", "text-to-music"]
 # What ``guidance_scale`` drives: classifier-free guidance of the model's own rows ("cfg": the shipped DiT), an
 # embedded guidance input ("embedded": FLUX.1-dev), or true CFG with a negative prompt ("true-cfg": Qwen-Image,
 # FLUX.1-schnell). Each pipeline maps the one request field onto its own mechanism.
@@ -111,9 +111,39 @@ class AudioLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_seed: int
 
 
+class VideoLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What a video model accepts beyond its frames' ``ImageLimits`` (size, steps, guidance, prompt, ``n``).
+
+    ``num_frames`` is ``frame_multiple * k + 1`` (the VAE's temporal factor: Wan's 4k+1) in [1, ``max_num_frames``];
+    ``fps`` only labels the output (the model draws the same frames at any rate). ``experts``: the denoising
+    transformers (Wan2.2 A14B: 2, switched at ``boundary_ratio`` of the training timesteps); with two,
+    ``guidance_scale_2`` is the low-noise expert's guidance (``guidance_scale_2`` in ``ModelInfo.accepts``).
+    """
+
+    default_num_frames: int
+    max_num_frames: int
+    frame_multiple: int
+    default_fps: int
+    max_fps: int
+    experts: int = 1
+    boundary_ratio: float | None = None
+    # Unset guidance_scale_2 takes guidance_scale when the request gives one (diffusers' rule), else this default.
+    default_guidance_scale_2: float | None = None
+
+    def num_frames_problem(self, num_frames: int) -> str | None:
+        """Why ``num_frames`` is refused (naming what is accepted), or None."""
+        if 1 <= num_frames <= self.max_num_frames and (num_frames - 1) % self.frame_multiple == 0:
+            return None
+        return (
+            f"num_frames must be {self.frame_multiple}k+1 in [1, {self.max_num_frames}] "
+            f"(e.g. {self.default_num_frames}), got {num_frames}"
+        )
+
+
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One model as every layer sees it. ``accepts`` names the request fields the model uses (the others are
-    refused by name); exactly one of ``image`` and ``audio`` is set, by ``task``."""
+    refused by name). By ``task``: an image model sets ``image``; a video model sets ``image`` (each frame's size,
+    the steps, guidance and prompt, as an image model) and ``video``; a music model sets ``audio``."""
 
     name: str  # what was loaded: a shipped name, a directory or a repo id
     family: str  # "omni-dit", "flux", "qwen-image", "omni-music"
@@ -121,6 +151,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     task: Task
     accepts: tuple[str, ...]
     image: ImageLimits | None = None
+    video: VideoLimits | None = None
     audio: AudioLimits | None = None
     # A closed prompt vocabulary (the shipped DiT's words); None: any text.
     vocabulary: tuple[str, ...] | None = None
@@ -131,9 +162,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     transformer_blocks: int = 0
 
     def __post_init__(self) -> None:
-        wanted = "image" if self.task == "text-to-image" else "audio"
-        if (self.image is None) == (wanted == "image") or (self.audio is None) == (wanted == "audio"):
-            raise ValueError(f"a {self.task} model sets exactly its {wanted} limits")
+        wanted = {"text-to-image": {"image"}, "text-to-video": {"image", "video"}, "text-to-music": {"audio"}}
+        given = {name for name in ("image", "video", "audio") if getattr(self, name) is not None}
+        if given != wanted[self.task]:
+            raise ValueError(f"a {self.task} model sets exactly its {' and '.join(sorted(wanted[self.task]))} limits")
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,4 +192,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     capabilities: Capabilities
 
 
-__all__ = ["AudioLimits", "Capabilities", "GuidanceKind", "ImageLimits", "ModelInfo", "ModelSpec", "SizeRange", "Task"]
+__all__ = [
+    "AudioLimits",
+    "Capabilities",
+    "GuidanceKind",
+    "ImageLimits",
+    "ModelInfo",
+    "ModelSpec",
+    "SizeRange",
+    "Task",
+    "VideoLimits",
+]

@@ -1,4 +1,4 @@
-"""Random-weight FLUX.1 and Qwen-Image pipelines for tests and benchmarks, built without the Hugging Face Hub.
+"""Random-weight FLUX.1, Qwen-Image and Wan pipelines for tests and benchmarks, built without the Hugging Face Hub.
 
 Test and benchmark tooling (it needs the ``diffusers`` extra, like ``omni_models.diffusers_adapter``):
 
@@ -8,6 +8,7 @@ Test and benchmark tooling (it needs the ``diffusers`` extra, like ``omni_models
 - ``flux_components`` / ``qwen_image_components``: the diffusers pipeline's constructor arguments with random
   weights, at ``"tiny"`` size (for CPU tests) or ``"full"`` size (FLUX.1-dev / Qwen-Image transformers and VAEs,
   CLIP-L whole; T5-XXL and Qwen2.5-VL-7B keep their width but only ``text_encoder_layers`` layers);
+- ``wan_components``: ``WanPipeline``'s arguments, tiny, for Wan2.1, Wan2.2 A14B (two experts) and Wan2.2 TI2V;
 - ``random_parameters``: build a model with parameters on the meta device, then fill them with cheap random
   values on the target device (no CPU initialisation of billions of parameters);
 - ``save_checkpoint``: the diffusers layout (``save_pretrained``), sharded when asked;
@@ -374,7 +375,91 @@ def qwen_image_components(
     return {**built, "tokenizer": tokenizer, "scheduler": scheduler}
 
 
-PIPELINE_CLASSES = {"flux": "FluxPipeline", "flux-kontext": "FluxKontextPipeline", "qwen-image": "QwenImagePipeline"}
+WanVariant = Literal["wan2.1", "wan2.2-a14b", "wan2.2-ti2v"]
+
+
+def wan_components(
+    variant: WanVariant = "wan2.1",
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    words: Iterable[str] = (),
+    boundary_ratio: float = 0.875,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``WanPipeline`` constructor arguments with random weights, tiny (2 blocks of width 24, a 4-level VAE of
+    base width 3; UMT5 of width 32): ``"wan2.1"`` (one transformer), ``"wan2.2-a14b"`` (two experts switched at
+    ``boundary_ratio``), ``"wan2.2-ti2v"`` (``expand_timesteps``, a 48-channel residual VAE with 2x2 patches).
+    The scheduler is the released checkpoints' UniPC (flow prediction, flow sigmas, shift 3)."""
+    t5 = t5_tokenizer(words)
+    ti2v = variant == "wan2.2-ti2v"
+    z_dim = 48 if ti2v else 16
+    transformer = _make(
+        "diffusers",
+        "WanTransformer3DModel",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=z_dim,
+        out_channels=z_dim,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    vae_config: dict[str, Any] = dict(base_dim=3, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    if ti2v:  # Wan2.2's VAE layout: residual blocks, 2x2 pixel patches in and out, 16x spatial compression
+        vae_config.update(
+            is_residual=True,
+            patch_size=2,
+            in_channels=12,
+            out_channels=12,
+            scale_factor_spatial=16,
+            latents_mean=[0.0] * z_dim,
+            latents_std=[1.0] * z_dim,
+        )
+    vae = _make("diffusers", "AutoencoderKLWan", temperal_downsample=[False, True, True], **vae_config)
+    text_encoder = _make_text_model(
+        "UMT5EncoderModel",
+        "UMT5Config",
+        vocab_size=len(t5),
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    )
+    makers = [("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)]
+    if variant == "wan2.2-a14b":
+        makers.append(("transformer_2", transformer))
+    built = {
+        name: random_parameters(make, device=device, dtype=dtype, seed=seed + i)
+        for i, (name, make) in enumerate(makers)
+    }
+    scheduler = library_class("diffusers", "UniPCMultistepScheduler")(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    return {
+        "transformer_2": None,
+        **built,
+        "tokenizer": t5,
+        "scheduler": scheduler,
+        "boundary_ratio": boundary_ratio if variant == "wan2.2-a14b" else None,
+        "expand_timesteps": ti2v,
+    }
+
+
+PIPELINE_CLASSES = {
+    "flux": "FluxPipeline",
+    "flux-kontext": "FluxKontextPipeline",
+    "qwen-image": "QwenImagePipeline",
+    "wan": "WanPipeline",
+}
 
 
 def diffusers_pipeline(family: str, components: dict[str, Any]) -> Any:

@@ -44,7 +44,11 @@ def default_max_sequence_length(transformer_config: Mapping[str, Any]) -> int:
 
 
 def info(
-    name: str, transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], max_sequence_length: int | None
+    name: str,
+    transformer_config: Mapping[str, Any],
+    vae_config: Mapping[str, Any],
+    max_sequence_length: int | None,
+    settings: Mapping[str, Any] | None = None,
 ) -> ModelInfo:
     dev = bool(transformer_config.get("guidance_embeds"))
     factor = vae_scale_factor(vae_config)
@@ -72,7 +76,8 @@ def info(
     )
 
 
-def check_configs(transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any]) -> str | None:
+def check_configs(configs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]) -> str | None:
+    transformer_config, vae_config = configs["transformer"], configs["vae"]
     return packing_problem(transformer_config, vae_config.get("latent_channels"))
 
 

@@ -70,7 +70,11 @@ DEFAULT_GUIDANCE = 2.5  # Black Forest Labs' FLUX.1-Kontext-dev card
 
 
 def info(
-    name: str, transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], max_sequence_length: int | None
+    name: str,
+    transformer_config: Mapping[str, Any],
+    vae_config: Mapping[str, Any],
+    max_sequence_length: int | None,
+    settings: Mapping[str, Any] | None = None,
 ) -> ModelInfo:
     base = flux.info(name, transformer_config, vae_config, max_sequence_length)
     dev = bool(transformer_config.get("guidance_embeds"))

@@ -42,7 +42,11 @@ def vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
 
 
 def info(
-    name: str, transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], max_sequence_length: int | None
+    name: str,
+    transformer_config: Mapping[str, Any],
+    vae_config: Mapping[str, Any],
+    max_sequence_length: int | None,
+    settings: Mapping[str, Any] | None = None,
 ) -> ModelInfo:
     factor = vae_scale_factor(vae_config)
     multiple, side = factor * 2, DEFAULT_SAMPLE_SIZE * factor
@@ -69,7 +73,8 @@ def info(
     )
 
 
-def check_configs(transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any]) -> str | None:
+def check_configs(configs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]) -> str | None:
+    transformer_config, vae_config = configs["transformer"], configs["vae"]
     problem = packing_problem(transformer_config, vae_config.get("z_dim"))
     if problem is not None:
         return problem
