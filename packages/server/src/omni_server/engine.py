@@ -167,7 +167,7 @@ def warmup_request(info: ModelInfo, sequence_parallel_size: int = 1) -> Generati
     if rule is not None and sequence_parallel_size > 1:
         height = width = min(rule.min_side * sequence_parallel_size, rule.max_side)
     word = info.vocabulary[0] if info.vocabulary else "warm up"
-    frames = {"num_frames": 1} if getattr(info, "video", None) is not None else {}  # a video model: its shortest clip
+    frames = {"num_frames": 1} if info.video is not None else {}  # a video model: its shortest clip
     return GenerationRequest(prompt=word, height=height, width=width, num_inference_steps=2, seed=0, **frames)
 
 
@@ -182,7 +182,7 @@ def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[Gene
     max_rows = config.max_rows_per_step or info.image.max_images_per_request
     max_rows = 1 if config.batch_invariant else min(max_rows, info.image.max_images_per_request)
     word = info.vocabulary[0] if info.vocabulary else "warm up"
-    frames = {"num_frames": 1} if getattr(info, "video", None) is not None else {}
+    frames = {"num_frames": 1} if info.video is not None else {}
     # One row: one image without CFG (guidance 1 turns true CFG off); more rows: that many images, guided or not.
     return [
         GenerationRequest(

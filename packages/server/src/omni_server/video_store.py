@@ -53,6 +53,7 @@ class VideoRecord(msgspec.Struct, kw_only=True):
     prompt: str
     status: Status
     created_at: int
+    created_ns: int  # time.time_ns() at creation: the list's order (created_at has whole seconds)
     size: str  # WIDTHxHEIGHT
     num_frames: int
     fps: int

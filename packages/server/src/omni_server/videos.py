@@ -471,12 +471,14 @@ def videos_router(state, jobs: VideoJobs) -> APIRouter:  # noqa: ANN001 - api.Se
                 code="queue_full",
                 headers={"Retry-After": "5"},
             )
+        created = time.time_ns()
         record = VideoRecord(
             id=new_video_id(),
             model=fields.get("model") or config.model_name,
             prompt=resolved.prompt,
             status="queued",
-            created_at=int(time.time()),
+            created_at=created // 10**9,
+            created_ns=created,
             size=f"{resolved.width}x{resolved.height}",
             num_frames=resolved.num_frames,
             fps=resolved.fps,
@@ -509,7 +511,7 @@ def videos_router(state, jobs: VideoJobs) -> APIRouter:  # noqa: ANN001 - api.Se
         if order not in ("asc", "desc"):
             raise invalid_field("order", f"order must be 'asc' or 'desc', got {order[:40]!r}")
         jobs.store.sweep()
-        records = sorted(jobs.store.records.values(), key=lambda r: (r.created_at, r.id), reverse=order == "desc")
+        records = sorted(jobs.store.records.values(), key=lambda r: (r.created_ns, r.id), reverse=order == "desc")
         if after is not None:
             ids = [r.id for r in records]
             if after not in ids:
