@@ -135,6 +135,10 @@ def test_sdk_creates_polls_downloads_and_the_mp4_holds_the_pipelines_frames(serv
 
 def test_list_pages_like_the_sdk_expects(server) -> None:
     client = sdk(server)
+    (model,) = client.models.list().data
+    described = {key: getattr(model, key) for key in ("task", "family", "default_num_frames", "frame_multiple")}
+    assert described == {"task": "text-to-video", "family": "wan", "default_num_frames": 9, "frame_multiple": 4}
+    assert (model.default_fps, model.default_size) == (16, "64x64")
     ids = [client.videos.create(prompt=f"clip {i}", **SHAPE).id for i in range(3)]
     for video_id in ids:
         wait_until(client, video_id)
