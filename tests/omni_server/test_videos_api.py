@@ -248,6 +248,40 @@ def test_bad_inputs_get_a_400_naming_the_field_and_change_nothing(server) -> Non
     assert [v.id for v in client.videos.list(limit=100)] == [done.id, *before]
 
 
+def test_playground_shows_progress_and_plays_the_video(server, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = browser
+    driver.get(server.url + "/")
+    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "family").text == "(wan, wan2.1)")
+    assert driver.find_element(By.ID, "frames").get_attribute("placeholder") == "9"
+    for field, value in (("prompt", "a red fox"), ("size", "48x32"), ("frames", "5"), ("steps", "40"), ("seed", "4")):
+        driver.find_element(By.ID, field).send_keys(value)
+    driver.find_element(By.ID, "generate").click()
+    seen: set[str] = set()
+
+    def finished(d) -> bool:
+        text = d.find_element(By.ID, "status").text
+        seen.add(text)
+        return text.startswith(("Done", "Error"))
+
+    WebDriverWait(driver, 120, poll_frequency=0.05).until(finished)
+    status = driver.find_element(By.ID, "status").text
+    assert status == "Done: 48x32, 5 frames at 16 fps (0.25 s), seed 4.", status
+    assert any(text.startswith("Generating (") and not text.startswith("Generating (0%") for text in seen), seen
+    player = driver.find_element(By.ID, "player")
+    assert player.get_attribute("src").startswith("blob:")
+    video_id = driver.find_element(By.CSS_SELECTOR, "#videos li").text.split(":")[0]
+    assert sdk(server).videos.retrieve(video_id).seed == 4  # the page's video is the job it created
+    if driver.execute_script("return document.createElement('video').canPlayType('video/mp4; codecs=\"avc1.64000d\"')"):
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script("return arguments[0].readyState", player) >= 2)
+        duration = driver.execute_script("return arguments[0].duration", player)
+        assert abs(duration - 5 / 16) < 0.05, duration  # the browser decoded it: 5 frames at 16 fps
+    else:
+        print("this Chromium has no H.264 decoder: the player's playback is not checked")
+
+
 def test_generate_cli_writes_the_same_mp4_as_the_server(server, wan_dir, tmp_path) -> None:
     client = sdk(server)
     video = wait_until(

@@ -350,7 +350,9 @@ def playground_router(state: ServerState) -> APIRouter:
     async def playground() -> HTMLResponse:
         task = state.info().task
         if task not in pages:
-            name = "audio_playground.html" if task == "text-to-music" else "playground.html"
+            name = {"text-to-music": "audio_playground.html", "text-to-video": "video_playground.html"}.get(
+                task, "playground.html"
+            )
             pages[task] = _page(name, state.config.model_name)
         page, headers = pages[task]
         return HTMLResponse(page, headers=headers)
@@ -360,7 +362,7 @@ def playground_router(state: ServerState) -> APIRouter:
 
 def _page(file_name: str, model_name: str) -> tuple[str, dict[str, str]]:
     """A playground page and its security headers: a CSP that allows exactly its own inline script and style
-    blocks (by hash), images from ``data:`` URLs, audio from ``blob:`` URLs and requests to this origin; no
+    blocks (by hash), images from ``data:`` URLs, audio and video from ``blob:`` URLs and requests to this origin; no
     framing by other sites."""
     page = resources.files("omni_server").joinpath(file_name).read_text(encoding="utf-8")
     page = page.replace("{{MODEL}}", html.escape(model_name))
