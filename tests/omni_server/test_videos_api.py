@@ -121,6 +121,8 @@ def test_sdk_creates_polls_downloads_and_the_mp4_holds_the_pipelines_frames(serv
     rgb_db = psnr(video_io.decode_mp4(data).frames, expected.frames)
     print(f"MP4 vs the pipeline's frames: {codec_db:.1f} dB in yuv420p, {rgb_db:.1f} dB in RGB (4:2:0 included)")
     assert codec_db >= TARGET_DB
+    partial = httpx.get(f"{server.url}/v1/videos/{created.id}/content", headers={"Range": "bytes=0-99"}, timeout=30)
+    assert (partial.status_code, partial.content) == (206, data[:100])  # a player seeks with range requests
     # The same request through JSON (curl's way) and seconds instead of num_frames: the same file.
     body = {"prompt": "a red fox in the snow", "size": "48x32", "seconds": "0.25", "num_inference_steps": 3, "seed": 7}
     again = httpx.post(f"{server.url}/v1/videos", json=body, timeout=60).json()
