@@ -119,6 +119,11 @@ def wan22_a14b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _wan_checkpoint(tmp_path_factory, "wan2.2-a14b")
 
 
+@pytest.fixture(scope="session")
+def wan22_ti2v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_checkpoint(tmp_path_factory, "wan2.2-ti2v")
+
+
 # --- a local Hugging Face cache ----------------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
-"""CFG-parallel (FLUX.1, Qwen-Image) and Ulysses SP (FLUX.1, with a step cache) for the diffusers families: two real
-processes over gloo reproduce the one-process latents of a batch holding a true-CFG job and a single-row job."""
+"""CFG-parallel (FLUX.1, Qwen-Image, Wan2.2 A14B across its two experts) and Ulysses SP (FLUX.1, with a step cache)
+for the diffusers families: two real processes over gloo reproduce the one-process latents of a batch holding a
+true-CFG job and a single-row job."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ def _psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
 
 
-def _run(mode: str, checkpoint: Path, out: Path) -> list[dict]:
+def _run(mode: str, checkpoints: list[Path], out: Path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(checkpoint), str(out)],
+            [sys.executable, str(WORKER), mode, os.pathsep.join(map(str, checkpoints)), str(out)],
             env=dict(
                 os.environ,
                 RANK=str(r),
@@ -60,27 +61,37 @@ def _run(mode: str, checkpoint: Path, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2-cache", "qwen-cfg2"])
+FIXTURES = {"flux": "flux_dev_dir", "qwen": "qwen_image_dir", "wan": "wan22_a14b_dir"}
+
+
+# Families joined by "+" run one after the other in the same two processes (started once: most of the time).
+@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2-cache", "qwen+wan-cfg2"])
 def test_two_ranks_reproduce_the_family_latents(mode, request, tmp_path) -> None:
     """``-cache``: every job with a step cache (its computed steps run the whole forward, its cached step the first
-    block on every rank); the SP ranks sum their token slices' changes and take the same decisions as one process."""
+    block on every rank); the SP ranks sum their token slices' changes and take the same decisions as one process.
+    ``wan`` is Wan2.2 A14B: its rows split over the ranks at both experts."""
     import omni_models
 
-    family = mode.split("-")[0]
-    checkpoint = request.getfixturevalue("flux_dev_dir" if family == "flux" else "qwen_image_dir")
+    families = mode.split("-")[0].split("+")
+    checkpoints = [request.getfixturevalue(FIXTURES[family]) for family in families]
     cache = CACHE if mode.endswith("-cache") else None
-    pipe = omni_models.load(str(checkpoint), max_sequence_length=16)
-    expected, decisions = run_family_jobs_with_decisions(pipe, family, cache)
-    reports = _run(mode, checkpoint, tmp_path)
-    assert all(report["decisions"] == decisions for report in reports)
-    assert cache is None or all("S" in d for d in decisions)
-    for rank, report in enumerate(reports):
-        for job, (want, got) in enumerate(zip(expected, report["latents"], strict=True)):
-            value = _psnr(want, got)
-            print(f"{mode} rank {rank} job {job}: PSNR {value:.1f} dB, max abs diff {(want - got).abs().max():.2e}")
-            assert value >= 40.0
-    for job in range(len(expected)):
-        assert torch.equal(reports[0]["latents"][job], reports[1]["latents"][job])
+    reports = _run(mode, checkpoints, tmp_path)
+    for family, checkpoint in zip(families, checkpoints, strict=True):
+        pipe = omni_models.load(str(checkpoint), max_sequence_length=16)
+        expected, decisions = run_family_jobs_with_decisions(pipe, family, cache)
+        ranks = [report[family] for report in reports]
+        assert all(rank["decisions"] == decisions for rank in ranks)
+        assert cache is None or all("S" in d for d in decisions)
+        for rank, report in enumerate(ranks):
+            for job, (want, got) in enumerate(zip(expected, report["latents"], strict=True)):
+                value = _psnr(want, got)
+                print(
+                    f"{family} {mode} rank {rank} job {job}: PSNR {value:.1f} dB, max abs diff "
+                    f"{(want - got).abs().max():.2e}"
+                )
+                assert value >= 40.0
+        for job in range(len(expected)):
+            assert torch.equal(ranks[0]["latents"][job], ranks[1]["latents"][job])
 
 
 def test_sequence_parallel_is_refused_for_qwen_image(qwen_image_dir) -> None:

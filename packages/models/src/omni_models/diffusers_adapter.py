@@ -506,7 +506,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
             if slot_name in denoisers:
                 continue
             load = _load_diffusers_model if preflighted.entry.library == "diffusers" else _load_transformers_model
-            loaded[slot_name] = load(preflighted, device=device, dtype=dtype)
+            component_dtype = torch.float32 if slot_name in family.float32_components else dtype
+            loaded[slot_name] = load(preflighted, device=device, dtype=component_dtype)
         reports = {}
         offloads = {}
         for slot_name in denoisers:
@@ -516,7 +517,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
                     family,
                     device=transformer_device,
                     dtype=dtype,
-                    cache_dir=Path(options.fp8_cache_dir),
+                    # One artifact per cache directory: a second denoiser's lives in a subdirectory named after it.
+                    cache_dir=Path(options.fp8_cache_dir) / ("" if slot_name == "transformer" else slot_name),
                     component=slot_name,
                 )
             else:

@@ -104,12 +104,17 @@ class FamilyDeclaration:
     ``block_lists`` are the repeated blocks in the order the forward runs them (streamed by layerwise offload,
     compiled one block at a time); ``resident_modules`` every other module holding weights (kept on the device
     under offload); ``fp8_ignore`` the linears kept in high precision under FP8 (fnmatch patterns for
-    ``fp8_cache.quantize_model``).
+    ``fp8_cache.quantize_model``). ``block_call``: how the forward calls a block, for the step cache
+    (``omni_models.step_cache_blocks``): ``"joint"``, with keywords, returning ``(encoder_hidden_states,
+    hidden_states)`` (FLUX.1, Qwen-Image: text and image streams); ``"cross"``, positionally ``(hidden_states,
+    encoder_hidden_states, temb, rotary_emb)``, returning ``hidden_states`` (Wan: the text is cross-attention keys
+    only, one stream).
     """
 
     block_lists: tuple[str, ...]
     resident_modules: tuple[str, ...]
     fp8_ignore: tuple[str, ...]
+    block_call: Literal["joint", "cross"] = "joint"
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class DiffusersFamily:
     settings: tuple[str, ...] = ()
     denoisers: tuple[str, ...] = ("transformer",)
     pipeline: str | None = None
+    float32_components: tuple[str, ...] = ()  # loaded in float32 whatever the load dtype (Wan's VAE, as Wan runs it)
     # What load(...) options and omni features the family takes (ModelSpec.capabilities; the rest is refused).
     cfg_parallel: bool = True
     compile: bool = True
@@ -482,17 +488,19 @@ class FamilyPipeline:
                 reference=reference,
                 lora=adapter,
             )
-            if request.cache is not None:
-                from omni_models.step_cache_blocks import JobStepCache
-
-                job.step_cache = JobStepCache.create(
-                    request.cache,
-                    num_blocks=self.info.transformer_blocks,
-                    num_steps=job.num_steps,
-                    num_rows=job.num_rows,
-                )
+            job.step_cache = self._job_step_cache(job)
             jobs.append(job)
         return jobs
+
+    def _job_step_cache(self, job: FamilyJob) -> JobStepCache | None:
+        """The job's step cache state, when its request asks for one."""
+        if job.request.cache is None:
+            return None
+        from omni_models.step_cache_blocks import JobStepCache
+
+        return JobStepCache.create(
+            job.request.cache, num_blocks=self.info.transformer_blocks, num_steps=job.num_steps, num_rows=job.num_rows
+        )
 
     def step_cache_bytes(self, job: FamilyJob) -> int:
         """The most memory ``job``'s step cache holds (per row: the image and text streams' residuals and
@@ -608,22 +616,23 @@ class FamilyPipeline:
             job.latents = euler_step(job.latents, velocity, job.sigmas[i], job.sigmas[i + 1])
             job.step_index += 1
 
-    def _forward(self, rows: list[DenoiseRow], caches: list, height: int, width: int) -> Tensor:
-        """The backend's forward of ``rows``; rows whose job has a step cache skip the middle blocks on the steps
-        their policy caches (``omni_models.step_cache_blocks``)."""
+    def _forward(self, rows: list[DenoiseRow], caches: list, *shape: Any) -> Tensor:
+        """The backend's forward of ``rows`` (``backend.forward(rows, *shape)``); rows whose job has a step cache
+        skip the middle blocks on the steps their policy caches (``omni_models.step_cache_blocks``)."""
         if all(cache is None for cache, _, _ in caches):
-            return self.backend.forward(rows, height, width)
+            return self.backend.forward(rows, *shape)
         from omni_models.step_cache_blocks import StepCachePlan, TransformerBlockCache, row_slots
 
         if self._block_cache is None:
-            self._block_cache = TransformerBlockCache(self.transformer, self.backend.block_lists)
+            call = self.backend.family.declaration.block_call
+            self._block_cache = TransformerBlockCache(self.transformer, self.backend.block_lists, block_call=call)
         lengths = [row.text.tokens.shape[0] for row in rows]
         plan = StepCachePlan(row_slots(caches), None if len(set(lengths)) == 1 else lengths, self._block_cache)
         forward_with_cache = getattr(self.backend, "forward_with_cache", None)  # several ranks
         if forward_with_cache is not None:
-            return forward_with_cache(rows, height, width, plan)
+            return forward_with_cache(rows, *shape, plan)
         with plan.forward(range(len(rows))):
-            return self.backend.forward(rows, height, width)
+            return self.backend.forward(rows, *shape)
 
     @torch.no_grad()
     def decode(self, jobs: Sequence[FamilyJob]) -> list[Image.Image]:

@@ -1,5 +1,5 @@
-"""One request of a diffusers family on several ranks: CFG-parallel rows (FLUX.1, Qwen-Image) and Ulysses sequence
-parallelism (FLUX.1).
+"""One request of a diffusers family on several ranks: CFG-parallel rows (FLUX.1, Qwen-Image, Wan) and Ulysses
+sequence parallelism (FLUX.1).
 
 Same contract as ``omni_models.parallel`` (the CFG and SP groups of ``init_parallel``'s device mesh; every rank
 runs the same ``FamilyPipeline`` calls, each computes its share and every rank ends each forward with every row's
@@ -35,7 +35,6 @@ from omni_models.parallel import ParallelState, check_sequence_parallel
 
 if TYPE_CHECKING:
     from omni_models.families import DenoiseRow, FamilyPipeline
-    from omni_models.step_cache_blocks import StepCachePlan
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -86,15 +85,15 @@ class ParallelFamilyBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def forward(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
-        return self.forward_with_cache(rows, height, width, None)
+    def forward(self, rows: Sequence[DenoiseRow], *shape: Any) -> Tensor:
+        return self.forward_with_cache(rows, *shape, None)
 
-    def forward_with_cache(
-        self, rows: Sequence[DenoiseRow], height: int, width: int, plan: StepCachePlan | None
-    ) -> Tensor:
+    def forward_with_cache(self, rows: Sequence[DenoiseRow], *shape_and_plan: Any) -> Tensor:
         """``forward`` with the rows' step caches (``plan``): this rank runs its rows' cache, and every rank takes
         every job's decisions from the changes summed over all ranks (a cond row on one CFG rank and its uncond row
-        on the other decide together; SP ranks add their token slices' shares)."""
+        on the other decide together; SP ranks add their token slices' shares). ``shape_and_plan``: the wrapped
+        backend's shape arguments (``height, width``; Wan's ``expert``), then the plan."""
+        *shape, plan = shape_and_plan
         state = self.state
         per_rank = cdiv(len(rows), state.cfg_size)
         indices = range(state.cfg_rank * per_rank, min((state.cfg_rank + 1) * per_rank, len(rows)))
@@ -106,11 +105,7 @@ class ParallelFamilyBackend:
             reduce = all_reduce_sum()
         if mine:
             with plan.forward(indices, reduce) if plan is not None else contextlib.nullcontext():
-                local = (
-                    self._forward_sp(mine, height, width)
-                    if state.sp_size > 1
-                    else self.inner.forward(mine, height, width)
-                )
+                local = self._forward_sp(mine, *shape) if state.sp_size > 1 else self.inner.forward(mine, *shape)
         else:
             if plan is not None:
                 plan.idle(reduce, self.inner.device)
@@ -161,8 +156,8 @@ def enable_family_parallel(pipe: FamilyPipeline, state: ParallelState) -> None:
     if state.sp_size > 1:
         if not pipe.backend.family.sequence_parallel:
             raise ValueError(
-                f"sequence parallelism applies to FLUX.1 among the families; {pipe.info.family} rows "
-                "carry ragged text that the Ulysses split does not handle yet (use CFG-parallelism)"
+                f"sequence parallelism applies to FLUX.1 among the families; the Ulysses split does not handle "
+                f"{pipe.info.family} rows yet (use CFG-parallelism)"
             )
         check_sequence_parallel(pipe.transformer.config.num_attention_heads, state.sp_size)
         pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state))

@@ -387,6 +387,28 @@ class _CachedBlockCall:
         return encoder, hidden
 
 
+class _CachedCrossBlockCall(_CachedBlockCall):
+    """A ``"cross"`` block (Wan): called positionally ``(hidden_states, encoder_hidden_states, temb, rotary_emb)``,
+    returning ``hidden_states``; one stream (the text is only read as cross-attention keys). The per-row inputs are
+    the first three (``temb``: one row per video, or per token for Wan2.2 TI2V); the rotary tables are shared."""
+
+    def __call__(self, hidden_states: Tensor, encoder_hidden_states: Tensor, temb: Tensor, rotary_emb: Any) -> Tensor:
+        run = self.run
+        (hidden,) = run.at_boundary(self.index, [hidden_states])
+        rows = run.computing(self.index)
+        if rows is None:
+            hidden = self.block(hidden, encoder_hidden_states, temb, rotary_emb)
+        elif rows.numel():
+            picked = [x.index_select(0, rows) for x in (hidden, encoder_hidden_states, temb)]
+            hidden = run.layout.scatter(hidden, self.block(*picked, rotary_emb), rows)
+        if self.index == run.num_blocks - 1:
+            (hidden,) = run.at_boundary(run.num_blocks, [hidden])
+        return hidden
+
+
+BLOCK_CALLS = {"joint": _CachedBlockCall, "cross": _CachedCrossBlockCall}
+
+
 def _gather_rows(kwargs: dict[str, Any], rows: Tensor) -> dict[str, Any]:
     out = dict(kwargs)
     for name in ROW_KEYWORDS:
@@ -407,22 +429,24 @@ def _gather_rows(kwargs: dict[str, Any], rows: Tensor) -> dict[str, Any]:
 class CachedBlockList(nn.ModuleList):
     """A block list of a diffusers transformer holding the same blocks (see the module docstring)."""
 
-    def __init__(self, blocks: nn.ModuleList, offset: int, active: _Active) -> None:
+    def __init__(self, blocks: nn.ModuleList, offset: int, active: _Active, block_call: str = "joint") -> None:
         super().__init__(list(blocks))
         self._offset = offset
         self._active = active
+        self._call = BLOCK_CALLS[block_call]
 
     def __iter__(self) -> Iterator[Any]:
         run = self._active.run
         if run is None:
             return super().__iter__()
-        return iter([_CachedBlockCall(block, self._offset + i, run) for i, block in enumerate(super().__iter__())])
+        return iter([self._call(block, self._offset + i, run) for i, block in enumerate(super().__iter__())])
 
 
 class TransformerBlockCache:
-    """The step cache installed on one diffusers transformer's block lists (in the order its forward runs them)."""
+    """The step cache installed on one diffusers transformer's block lists (in the order its forward runs them);
+    ``block_call`` says how the forward calls its blocks (``FamilyDeclaration.block_call``)."""
 
-    def __init__(self, transformer: nn.Module, block_lists: Sequence[str]) -> None:
+    def __init__(self, transformer: nn.Module, block_lists: Sequence[str], block_call: str = "joint") -> None:
         self._active = _Active()
         offset = 0
         for path in block_lists:
@@ -430,7 +454,7 @@ class TransformerBlockCache:
             if not isinstance(blocks, CachedBlockList):
                 parent_path, _, name = path.rpartition(".")
                 parent = transformer.get_submodule(parent_path) if parent_path else transformer
-                setattr(parent, name, CachedBlockList(blocks, offset, self._active))
+                setattr(parent, name, CachedBlockList(blocks, offset, self._active, block_call))
             offset += len(blocks)
         self.num_blocks = offset
 

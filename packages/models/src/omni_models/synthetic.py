@@ -376,41 +376,73 @@ def qwen_image_components(
 
 
 WanVariant = Literal["wan2.1", "wan2.2-a14b", "wan2.2-ti2v"]
+WanSize = Literal["tiny", "1.3b", "14b"]
+# The released Wan2.1 / Wan2.2-A14B transformers (1.3B: Wan2.1-T2V-1.3B; 14B: Wan2.1-T2V-14B and each A14B expert).
+WAN_TRANSFORMERS: dict[str, dict[str, Any]] = {
+    "1.3b": dict(num_attention_heads=12, ffn_dim=8960, num_layers=30),
+    "14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+}
 
 
 def wan_components(
     variant: WanVariant = "wan2.1",
     *,
+    size: WanSize = "tiny",
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    text_encoder_layers: int = 2,
     words: Iterable[str] = (),
     boundary_ratio: float = 0.875,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """``WanPipeline`` constructor arguments with random weights, tiny (2 blocks of width 24, a 4-level VAE of
-    base width 3; UMT5 of width 32): ``"wan2.1"`` (one transformer), ``"wan2.2-a14b"`` (two experts switched at
-    ``boundary_ratio``), ``"wan2.2-ti2v"`` (``expand_timesteps``, a 48-channel residual VAE with 2x2 patches).
-    The scheduler is the released checkpoints' UniPC (flow prediction, flow sigmas, shift 3)."""
+    """``WanPipeline`` constructor arguments with random weights: ``"wan2.1"`` (one transformer),
+    ``"wan2.2-a14b"`` (two experts switched at ``boundary_ratio``), ``"wan2.2-ti2v"`` (``expand_timesteps``, a
+    48-channel residual VAE with 2x2 patches; tiny only). ``size="tiny"``: 2 blocks of width 32, a 4-level VAE of
+    base width 3, UMT5 of width 32 (CPU tests); ``"1.3b"`` / ``"14b"``: the released transformers and VAE, UMT5-XXL's
+    width with ``text_encoder_layers`` layers (benchmarks). The scheduler is the released checkpoints' UniPC (flow
+    prediction, flow sigmas, shift 3)."""
     t5 = t5_tokenizer(words)
     ti2v = variant == "wan2.2-ti2v"
+    if ti2v and size != "tiny":
+        raise ValueError("wan2.2-ti2v components come in the tiny size only")
     z_dim = 48 if ti2v else 16
+    if size == "tiny":
+        blocks: dict[str, Any] = dict(
+            num_attention_heads=2,
+            attention_head_dim=16,  # width 32: FP8 linears need multiples of 16
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+        )
+        text = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8)
+    else:
+        blocks = dict(attention_head_dim=128, text_dim=4096, freq_dim=256, rope_max_seq_len=1024)
+        blocks.update(WAN_TRANSFORMERS[size])
+        text = dict(
+            d_model=4096,
+            d_kv=64,
+            d_ff=10240,
+            num_layers=text_encoder_layers,
+            num_heads=64,
+            relative_attention_num_buckets=32,
+            feed_forward_proj="gated-gelu",
+        )
     transformer = _make(
         "diffusers",
         "WanTransformer3DModel",
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
         in_channels=z_dim,
         out_channels=z_dim,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        eps=1e-6,
+        **blocks,
     )
     vae_config: dict[str, Any] = dict(base_dim=3, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    if size != "tiny":  # AutoencoderKLWan's defaults are Wan2.1's VAE
+        vae_config = dict(z_dim=z_dim)
     if ti2v:  # Wan2.2's VAE layout: residual blocks, 2x2 pixel patches in and out, 16x spatial compression
         vae_config.update(
             is_residual=True,
@@ -426,13 +458,8 @@ def wan_components(
         "UMT5EncoderModel",
         "UMT5Config",
         vocab_size=len(t5),
-        d_model=32,
-        d_kv=8,
-        d_ff=37,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
         decoder_start_token_id=0,
+        **text,
     )
     makers = [("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)]
     if variant == "wan2.2-a14b":

@@ -71,22 +71,37 @@ class VideoFamilyPipeline(FamilyPipeline):
             video = msgspec.structs.replace(request, n=1, seed=request.seed + index)
             scheduler = self.backend.job_scheduler(request.num_inference_steps)
             timesteps = scheduler.timesteps.cpu()
-            jobs.append(
-                VideoJob(
-                    request=video,
-                    guidance=None,
-                    true_cfg_scale=request.guidance_scale,
-                    conditioning=conditioning,
-                    latents=self.backend.initial_latents(video.seed, video.num_frames, video.height, video.width),
-                    sigmas=scheduler.sigmas.cpu(),
-                    timesteps=timesteps,
-                    request_id=request_id,
-                    scheduler=scheduler,
-                    experts=self.backend.experts(timesteps),
-                    scales=(request.guidance_scale, scale_2),
-                )
+            job = VideoJob(
+                request=video,
+                guidance=None,
+                true_cfg_scale=request.guidance_scale,
+                conditioning=conditioning,
+                latents=self.backend.initial_latents(video.seed, video.num_frames, video.height, video.width),
+                sigmas=scheduler.sigmas.cpu(),
+                timesteps=timesteps,
+                request_id=request_id,
+                scheduler=scheduler,
+                experts=self.backend.experts(timesteps),
+                scales=(request.guidance_scale, scale_2),
             )
+            job.step_cache = self._job_step_cache(job)
+            jobs.append(job)
         return jobs
+
+    def step_cache_bytes(self, job: FamilyJob) -> int:
+        """The most memory ``job``'s step cache holds: per row, the video tokens' one stream (Wan's blocks carry no
+        text stream)."""
+        if job.step_cache is None:
+            return 0
+        from omni_models.step_cache_blocks import JobStepCache
+
+        config = self.transformer.config
+        width = config.num_attention_heads * config.attention_head_dim
+        _, frames, height, width_latent = job.latents.shape
+        _, p_h, p_w = config.patch_size
+        tokens = frames * (height // p_h) * (width_latent // p_w)
+        streams = [(tokens * width,)] * job.num_rows
+        return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     @torch.no_grad()
     def step(self, jobs: Sequence[VideoJob]) -> None:  # type: ignore[override]
@@ -99,13 +114,15 @@ class VideoFamilyPipeline(FamilyPipeline):
             self._step_video_group(group, expert)
 
     def _step_video_group(self, group: Sequence[VideoJob], expert: int) -> None:
-        rows = []
+        rows, caches = [], []
         for job in group:
             timestep = job.scheduler.timesteps[job.step_index]
             rows.append(DenoiseRow(job.latents, job.conditioning.cond, timestep, None))
+            caches.append((job.step_cache, 0, job.step_index))
             if job.guided:
                 rows.append(DenoiseRow(job.latents, job.conditioning.uncond, timestep, None))
-        velocities = iter(self.backend.forward(rows, expert))
+                caches.append((job.step_cache, 1, job.step_index))
+        velocities = iter(self._forward(rows, caches, expert))
         for job in group:
             prediction = next(velocities)
             if job.guided:

@@ -90,7 +90,8 @@ def info(
         family="wan",
         variant=variant,
         task="text-to-video",
-        accepts=(*ACCEPTS, *VIDEO_ACCEPTS, *(("guidance_scale_2",) if experts == 2 else ())),
+        # The step cache reuses one transformer's middle residual, so it is not offered across two experts.
+        accepts=(*ACCEPTS, *VIDEO_ACCEPTS, *(("guidance_scale_2",) if experts == 2 else ("cache",))),
         transformer_blocks=int(transformer_config.get("num_layers", 40)),
         image=ImageLimits(
             sizes=(size,),
@@ -159,6 +160,7 @@ FAMILY = DiffusersFamily(
         block_lists=("blocks",),
         resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
         fp8_ignore=("patch_embedding", "condition_embedder.*", "proj_out"),
+        block_call="cross",
     ),
     backend="omni_models.backends.wan:WanBackend",
     pipeline="omni_models.video_family:VideoFamilyPipeline",
@@ -168,8 +170,8 @@ FAMILY = DiffusersFamily(
     max_sequence_length_limit=MAX_SEQUENCE_LENGTH,
     settings=("boundary_ratio", "expand_timesteps"),
     denoisers=("transformer", "transformer_2"),
-    cfg_parallel=False,
-    compile=False,
+    # Wan's own code and diffusers' Wan examples decode in float32 (the VAE is small; bf16 decoding shows banding).
+    float32_components=("vae",),
     lora=False,
 )
 
@@ -191,6 +193,11 @@ class WanBackend(DiffusersBackend):
         )
         self.expand_timesteps = bool(config.expand_timesteps)
         pipeline.vae.enable_tiling()
+
+    def compile_targets(self) -> list[torch.nn.Module]:
+        """Every block of every expert (the VAE decoder is not compiled: its causal feature cache is Python state
+        that changes every frame)."""
+        return [block for model in self.denoisers for block in model.blocks]
 
     def encoder_settings(self) -> tuple:
         return (*super().encoder_settings(), "wan")
