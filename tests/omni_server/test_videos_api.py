@@ -141,9 +141,12 @@ def test_list_pages_like_the_sdk_expects(server) -> None:
     described = {key: getattr(model, key) for key in ("task", "family", "default_num_frames", "frame_multiple")}
     assert described == {"task": "text-to-video", "family": "wan", "default_num_frames": 9, "frame_multiple": 4}
     assert (model.default_fps, model.default_size) == (16, "64x64")
-    ids = [client.videos.create(prompt=f"clip {i}", **SHAPE).id for i in range(3)]
+    # The third with a step cache: an object field, which the SDK's multipart body carries as cache[knob] parts.
+    cached = {**SHAPE["extra_body"], "cache": {"preset": "fast", "warmup_steps": 1}}
+    ids = [client.videos.create(prompt=f"clip {i}", **SHAPE).id for i in range(2)]
+    ids.append(client.videos.create(prompt="clip 2", size=SHAPE["size"], extra_body=cached).id)
     for video_id in ids:
-        wait_until(client, video_id)
+        assert wait_until(client, video_id).status == "completed"
     listed = [v.id for v in client.videos.list(limit=2)]  # the SDK follows last_id / has_more through every page
     assert set(ids) <= set(listed) and len(listed) == len(set(listed))
     page = client.videos.list(limit=2, order="asc")
@@ -223,7 +226,8 @@ def test_bad_inputs_get_a_400_naming_the_field_and_change_nothing(server) -> Non
         ({"extra_body": {"seed": "x"}}, "seed"),
         ({"extra_body": {"num_inference_steps": 0}}, "num_inference_steps"),
         ({"extra_body": {"guidance_scale": -1}}, "guidance_scale"),
-        ({"extra_body": {"cache": "fast"}}, "cache"),
+        ({"extra_body": {"cache": "fastest"}}, "cache"),
+        ({"extra_body": {"cache": {"preset": "fast", "threshold": -1}}}, "cache"),  # sent as cache[...] parts
         ({"extra_body": {"nmu_frames": 5}}, "nmu_frames"),
         ({"input_reference": ("ref.png", b"\x89PNG not really", "image/png")}, "input_reference"),
         ({"prompt": " "}, "prompt"),
