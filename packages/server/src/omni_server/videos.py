@@ -207,8 +207,10 @@ def frames_for(fields: dict[str, Any], limits: Any) -> tuple[int | None, dict[st
     if limits.num_frames_problem(from_seconds) is not None:
         step = limits.frame_multiple
         low = max((from_seconds - 1) // step * step + 1, 1)
-        options = sorted({n for n in (low, low + step) if limits.num_frames_problem(n) is None})
-        shown = " or ".join(f"{(n - 1) / fps:g}" for n in options) or "none"
+        longest = (limits.max_num_frames - 1) // step * step + 1
+        options = sorted({n for n in (low, low + step, longest) if n > 1 and limits.num_frames_problem(n) is None})
+        options = [n for n in options if n <= max(low + step, 1)] or [longest]
+        shown = " or ".join(f"{(n - 1) / fps:g}" for n in options)
         raise invalid_field(
             "seconds",
             f"seconds={seconds:g} at {fps} fps is {from_seconds} frames (num_frames = seconds * fps + 1), which "
