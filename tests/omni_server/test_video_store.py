@@ -102,3 +102,46 @@ def test_serving_a_video_model_checks_the_video_dir_before_anything_loads(tmp_pa
         with pytest.raises(ConfigError, match=words) as raised:
             check_video_output(config(directory))
         assert str(raised.value).startswith(f"--video-dir {directory}")
+
+
+def test_the_videos_routes_sit_behind_the_guard(tmp_path: Path) -> None:
+    """The app without its engine (no lifespan): what the guard answers comes before any route or model."""
+    import asyncio
+
+    import httpx
+
+    from omni_server.api import create_app
+    from omni_server.http_guard import unguarded_routes
+
+    app = create_app(config(tmp_path, api_key="secret"))
+    assert unguarded_routes(app) == []
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= {
+        getattr(route, "path", None) for route in app.router.routes
+    }
+
+    async def calls() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            key = {"Authorization": "Bearer secret"}
+            return [
+                await client.post("/v1/videos", json={"prompt": "a cat"}),
+                await client.get("/v1/videos"),
+                await client.post("/v1/videos", content=b"prompt=a cat", headers={**key, "content-type": "text/plain"}),
+                await client.get("/v1/videos", headers=key),
+                await client.get("/v1/videos/video_" + "0" * 32, headers=key),
+                await client.post("/v1/videos", json={"prompt": "a cat"}, headers=key),
+            ]
+
+    unauthorized, listed_without_key, plain, listed, missing, no_engine = asyncio.run(calls())
+    assert unauthorized.status_code == listed_without_key.status_code == 401
+    assert plain.status_code == 415
+    assert listed.status_code == 200 and listed.json() == {
+        "object": "list",
+        "data": [],
+        "first_id": None,
+        "last_id": None,
+        "has_more": False,
+    }
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"
+    assert no_engine.status_code == 503  # the engine never started: nothing was created
+    assert list(tmp_path.iterdir()) == []
