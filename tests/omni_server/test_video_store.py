@@ -91,16 +91,16 @@ def test_serving_a_video_model_checks_the_video_dir_before_anything_loads(tmp_pa
     import pytest
 
     from omni_server.config import ConfigError
-    from omni_server.startup import check_video_output
+    from omni_server.startup import check_video_dir
 
-    check_video_output(config(tmp_path / "not" / "yet"))  # created when the first video is written
+    check_video_dir(config(tmp_path / "not" / "yet"))  # created when the first video is written
     (tmp_path / "file").write_text("")
     for directory, words in (
         (tmp_path / "file" / "videos", "is not a directory"),
         (Path("/proc/1/videos"), "not writable"),
     ):
         with pytest.raises(ConfigError, match=words) as raised:
-            check_video_output(config(directory))
+            check_video_dir(config(directory))
         assert str(raised.value).startswith(f"--video-dir {directory}")
 
 

@@ -328,6 +328,17 @@ def test_generate_cli_writes_the_same_mp4_as_the_server(server, wan_dir, tmp_pat
     assert Path(result.stdout.split()[-1]) == out and out.read_bytes() == served
 
 
+def test_serve_refuses_a_video_dir_it_cannot_write_before_loading(wan_dir, tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_server", "serve", str(wan_dir), "--video-dir", str(tmp_path / "file" / "v")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and f"--video-dir {tmp_path / 'file' / 'v'}: " in result.stderr, result.stderr
+
+
 def test_finished_videos_survive_a_restart_and_unfinished_ones_fail(server, wan_dir, server_factory) -> None:
     client = sdk(server)
     done = wait_until(client, client.videos.create(prompt="kept", **SHAPE).id)

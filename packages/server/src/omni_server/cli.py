@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec = check_startup(config)
+        if args.command == "serve" and spec.info.task == "text-to-video":
+            from omni_server.startup import check_video_dir
+
+            check_video_dir(config)
     except (ConfigError, CheckpointError, InvalidRequestError, MissingDependencyError) as exc:
         parser.exit(2, f"omni-server: error: {' '.join(str(exc).split())}\n")
     if args.command == "serve":

@@ -5,8 +5,8 @@ reads the model through ``omni_models.inspect`` (configs and safetensors headers
 asks each library whether the flags make sense together: ``omni_models.registry.check_load_options`` (FP8 and
 offload options), ``dlo_offload.check_allgather_plan`` (resident blocks and AllGather), the model's capabilities
 (``ModelSpec.capabilities``), every ``--lora-modules`` adapter against the model's metadata
-(``omni_models.inspect_lora``: read, converted and checked, nothing loaded), a video model's MP4 encoder and
-``--video-dir``, and the visible devices. A failure is a
+(``omni_models.inspect_lora``: read, converted and checked, nothing loaded), a video model's MP4 encoder, and the
+visible devices. ``check_video_dir`` checks ``serve``'s ``--video-dir`` for a video model. A failure is a
 ``ConfigError`` naming the flags.
 """
 
@@ -181,20 +181,18 @@ def check_startup(config: ServerConfig) -> ModelSpec:
     if config.enable_lora:
         check_lora_modules(config, spec)
     if spec.info.task == "text-to-video":
-        check_video_output(config)
+        from omni_server import video_io
+
+        if not video_io.available():
+            raise ConfigError(video_io.MISSING_AV)
     check_devices(config)
     return spec
 
 
-def check_video_output(config: ServerConfig) -> None:
-    """A video model writes MP4 (PyAV must be importable) and, served, keeps its videos in ``--video-dir`` (a
-    directory it can create and write)."""
+def check_video_dir(config: ServerConfig) -> None:
+    """``serve`` of a video model keeps its videos in ``--video-dir``: a directory it can create and write."""
     import os
 
-    from omni_server import video_io
-
-    if not video_io.available():
-        raise ConfigError(video_io.MISSING_AV)
     directory = config.resolved_video_dir()
     existing = next(p for p in (directory, *directory.parents) if p.exists())
     if not existing.is_dir():
