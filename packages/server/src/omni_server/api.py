@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: one app and one guard for every model kind and every route.
 
 Routes (each behind ``http_guard``: limits, auth, Host and content-type rules, drain): ``POST
-/v1/images/generations`` (``omni_server.images``), ``POST /v1/images/edits`` (``omni_server.edits``, the one
-multipart route), ``POST /v1/audio/speech`` (``omni_server.audio``), ``GET /v1/models`` and ``GET
+/v1/images/generations`` (``omni_server.images``), ``POST /v1/images/edits`` (``omni_server.edits``, multipart),
+``POST /v1/audio/speech`` (``omni_server.audio``), the videos API (``omni_server.videos``: ``POST /v1/videos``,
+multipart or JSON; ``GET /v1/videos[/{id}[/content]]``, ``DELETE /v1/videos/{id}``), ``GET /v1/models`` and ``GET
 /v1/models/{id}`` (the base model and its LoRA adapters, each with ``parent``), ``POST /v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` (``omni_server.lora_api``), ``GET /v1/progress/{key}``, ``GET /health``, ``GET
 /metrics``, and the playground at ``/`` (the image or the music page, by the model's task). ``/docs`` and
@@ -29,7 +30,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 
 import msgspec
@@ -159,17 +160,22 @@ class ServerState:
     async def run(
         self, resolved: ResolvedRequest, http: Request, params: dict[str, str] | None = None
     ) -> RequestFinished:
-        """Run one request in the engine; the finished request, or an ``APIError`` (every failure counted)."""
+        """Run one request in the engine; the finished request, or an ``APIError`` (every failure counted). A
+        client that disconnects aborts it."""
         state = http.app.state
         state.in_flight += 1
         try:
-            return await self._run(resolved, http, params or {})
+            received = time.monotonic()
+            request_id, future = self.submit(resolved)
+            self.progress.track(http.headers.get(PROGRESS_HEADER), request_id)
+            return await self.wait(request_id, future, received, disconnect=_wait_for_disconnect(http), params=params)
         finally:
             state.in_flight -= 1
 
-    async def _run(self, resolved: ResolvedRequest, http: Request, params: dict[str, str]) -> RequestFinished:
+    def submit(self, resolved: ResolvedRequest) -> tuple[str, asyncio.Future[RequestFinished]]:
+        """Hand ``resolved`` to the engine: its id and the future of its answer; 503 while the engine is not ready,
+        429 while the server holds ``--max-num-seqs`` + ``--max-queued-requests`` requests (both counted)."""
         client, metrics, config = self.client, self.metrics, self.config
-        received = time.monotonic()
         if not client.ready or client.ready_info is None:
             metrics.count_finished("unavailable")
             raise self.unavailable()
@@ -183,18 +189,36 @@ class ServerState:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        request_id, future = client.generate(resolved)
-        self.progress.track(http.headers.get(PROGRESS_HEADER), request_id)
-        disconnect = asyncio.ensure_future(_wait_for_disconnect(http))
+        return client.generate(resolved)
+
+    async def wait(
+        self,
+        request_id: str,
+        future: asyncio.Future[RequestFinished],
+        received: float,
+        *,
+        disconnect: Awaitable[None] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> RequestFinished:
+        """The answer of a submitted request, within ``--request-timeout``; ``disconnect`` (the client went away)
+        or cancelling the caller aborts it in the engine, which frees what it holds. Every outcome is counted."""
+        client, metrics, config = self.client, self.metrics, self.config
+        params = params or {}
+        watched = asyncio.ensure_future(disconnect) if disconnect is not None else None
         try:
             done, _ = await asyncio.wait(
-                {future, disconnect}, timeout=config.request_timeout_s or None, return_when=asyncio.FIRST_COMPLETED
+                {future} | ({watched} if watched is not None else set()),
+                timeout=config.request_timeout_s or None,
+                return_when=asyncio.FIRST_COMPLETED,
             )
         except asyncio.CancelledError:
             client.abort(request_id)
+            self.progress.finish(request_id, ok=False)
+            metrics.count_finished("aborted")
             raise
         finally:
-            disconnect.cancel()
+            if watched is not None:
+                watched.cancel()
         if not done:
             error = RequestError(
                 kind="timeout",
@@ -326,7 +350,9 @@ def playground_router(state: ServerState) -> APIRouter:
     async def playground() -> HTMLResponse:
         task = state.info().task
         if task not in pages:
-            name = "audio_playground.html" if task == "text-to-music" else "playground.html"
+            name = {"text-to-music": "audio_playground.html", "text-to-video": "video_playground.html"}.get(
+                task, "playground.html"
+            )
             pages[task] = _page(name, state.config.model_name)
         page, headers = pages[task]
         return HTMLResponse(page, headers=headers)
@@ -336,7 +362,7 @@ def playground_router(state: ServerState) -> APIRouter:
 
 def _page(file_name: str, model_name: str) -> tuple[str, dict[str, str]]:
     """A playground page and its security headers: a CSP that allows exactly its own inline script and style
-    blocks (by hash), images from ``data:`` URLs, audio from ``blob:`` URLs and requests to this origin; no
+    blocks (by hash), images from ``data:`` URLs, audio and video from ``blob:`` URLs and requests to this origin; no
     framing by other sites."""
     page = resources.files("omni_server").joinpath(file_name).read_text(encoding="utf-8")
     page = page.replace("{{MODEL}}", html.escape(model_name))
@@ -372,6 +398,7 @@ def create_app(
     from omni_server.edits import EDITS_PATH, edits_router
     from omni_server.images import images_router
     from omni_server.lora_api import lora_router
+    from omni_server.videos import VIDEOS_PATH, VideoJobs, videos_router
 
     drain = drain or DrainState()
     metrics = ServerMetrics(config.model_name)
@@ -380,9 +407,11 @@ def create_app(
     def on_stats(stats: EngineStats) -> None:
         metrics.update_engine(stats)
         progress.update(stats)
+        videos.update(stats)
 
     client = EngineClient(config, on_stats=on_stats, on_restart=metrics.engine_restarts.inc, on_dead=on_engine_failure)
     state = ServerState(config, client, metrics, progress, drain)
+    videos = VideoJobs(state)  # reads --video-dir back: the videos kept from before this start
     client_stopping = threading.Event()
 
     def watch_start_up() -> None:
@@ -398,9 +427,11 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         client.start()
         threading.Thread(target=watch_start_up, name="engine-start-watch", daemon=True).start()
+        videos.start_sweeper()
         try:
             yield
         finally:
+            videos.stop()
             client_stopping.set()
             await asyncio.to_thread(client.shutdown)
 
@@ -419,7 +450,8 @@ def create_app(
     app.state.drain = drain
     app.state.in_flight = 0
     app.state.server = state
-    install_guards(app, config, draining=lambda: drain.draining, multipart_paths=(EDITS_PATH,))
+    app.state.videos = videos
+    install_guards(app, config, draining=lambda: drain.draining, multipart_paths=(EDITS_PATH, VIDEOS_PATH))
     _install_error_handlers(app, config.max_error_message_chars)
     for router in (
         service_router(state),
@@ -427,6 +459,7 @@ def create_app(
         edits_router(state),
         speech_router(state),
         lora_router(state),
+        videos_router(state, videos),
         progress_router(progress),
         playground_router(state),
     ):

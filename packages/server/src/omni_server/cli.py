@@ -43,6 +43,7 @@ GROUP_DESCRIPTIONS = {
     "SchedulerConfig": "admission and batching",
     "Frontend": "the HTTP server",
     "Limits": "everything a client controls is bounded; each answered in the OpenAI error shape",
+    "VideoConfig": "the videos API (/v1/videos): jobs, their MP4 files on disk, and the bounds of both",
     "Supervision": "the engine process",
     "Security": "who may call the server",
     "LoRAConfig": "LoRA adapters, selected per request by model=<adapter name> (omni_models.lora)",
@@ -112,7 +113,7 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "-o",
         "--output",
         default=None,
-        help="output path; with -n > 1, NAME-i.EXT (default: out.png, song.wav for music)",
+        help="output path; with -n > 1, NAME-i.EXT (default: out.png, song.wav for music, clip.mp4 for video)",
     )
     request.add_argument("-n", type=int, default=1, help="number of images (default: 1)")
     request.add_argument(
@@ -167,6 +168,16 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="write each image K times larger (nearest neighbour), e.g. 8 for the 32x32 shipped model (default: 1)",
     )
+    video = parser.add_argument_group("Video", "for a video model (e.g. a Wan checkpoint): writes an MP4")
+    video.add_argument("--num-frames", dest="num_frames", type=int, default=None, help="frames of the clip (Wan: 4k+1)")
+    video.add_argument("--fps", type=int, default=None, help="frame rate of the MP4 (default: the model's)")
+    video.add_argument(
+        "--guidance-scale-2",
+        dest="guidance_scale_2",
+        type=float,
+        default=None,
+        help="a two-expert model's (Wan2.2 A14B) low-noise guidance (default: --guidance-scale, else the model's)",
+    )
     song = parser.add_argument_group("Music", "for a music model (e.g. --model omni-tones-tiny): writes a WAV")
     song.add_argument("--lyrics", default=None, help="structure-tagged lyrics, e.g. '[verse]\\nla la'")
     song.add_argument(
@@ -193,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate",
         help="run one request in this process",
-        description="Generate images (PNG) or a song (WAV) for one prompt.",
+        description="Generate images (PNG), a song (WAV) or a video (MP4) for one prompt.",
     )
     _add_request_arguments(generate)
     add_config_arguments(generate, "generate")
@@ -223,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec = check_startup(config)
+        if args.command == "serve" and spec.info.task == "text-to-video":
+            from omni_server.startup import check_video_dir
+
+            check_video_dir(config)
     except (ConfigError, CheckpointError, InvalidRequestError, MissingDependencyError) as exc:
         parser.exit(2, f"omni-server: error: {' '.join(str(exc).split())}\n")
     if args.command == "serve":

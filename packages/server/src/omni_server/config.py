@@ -393,6 +393,68 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             ge=0.0,
         ),
     ] = 30.0
+    # VideoConfig: the videos API (omni_server.videos): jobs, their files on disk, the bounds of both
+    video_dir: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        setting(
+            "where finished videos (MP4 and metadata) are kept; they survive a restart until they expire "
+            "(default: $XDG_CACHE_HOME/omni-server/videos, else ~/.cache/omni-server/videos)",
+            group="VideoConfig",
+            metavar="DIR",
+        ),
+    ] = None
+    max_video_jobs: Annotated[
+        int,
+        setting("video jobs queued or running at once; more get 429 with Retry-After", group="VideoConfig", ge=1),
+    ] = 4
+    max_videos_kept: Annotated[
+        int,
+        setting("finished videos (completed or failed) kept; the oldest go first", group="VideoConfig", ge=1),
+    ] = 100
+    max_video_storage_bytes: Annotated[
+        int,
+        setting(
+            "MP4 bytes kept in --video-dir, e.g. 4G; the oldest videos go first",
+            group="VideoConfig",
+            parse="human_int",
+            metavar="BYTES",
+            ge=1,
+        ),
+    ] = 4 * 2**30
+    video_ttl_s: Annotated[
+        float,
+        setting(
+            "a finished video is deleted this long after it finished (its expires_at)",
+            group="VideoConfig",
+            metavar="SECONDS",
+            gt=0.0,
+        ),
+    ] = 24 * 3600.0
+    max_video_frames: Annotated[
+        int,
+        setting("frames per video job; more get 400 (the model has its own maximum too)", group="VideoConfig", ge=1),
+    ] = 241
+    max_video_pixels: Annotated[
+        int,
+        setting(
+            "width x height x frames per video job, e.g. 128M; more get 400",
+            group="VideoConfig",
+            parse="human_int",
+            metavar="PIXELS",
+            ge=1,
+        ),
+    ] = 2**27
+    video_crf: Annotated[
+        int,
+        setting(
+            "MP4 quality: libx264's constant rate factor (0 lossless, which browsers do not play; 18 visually "
+            "lossless; 23 libx264's default; 51 worst)",
+            group="VideoConfig",
+            commands=BOTH,
+            ge=0,
+            le=51,
+        ),
+    ] = 18
     # Supervision of the engine process
     engine_restarts: Annotated[
         int, setting("restart a dead engine up to N times in a row, with backoff; 0: never", group="Supervision", ge=0)
@@ -455,6 +517,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def default_step_cache(self) -> StepCacheConfig:
         """The step cache of a request that names none (``--step-cache`` with ``--step-cache-config`` over it)."""
         return _step_cache_default(self)
+
+    def resolved_video_dir(self) -> Path:
+        """``--video-dir``, or the default under the user's cache directory."""
+        if self.video_dir is not None:
+            return Path(self.video_dir).expanduser()
+        import os
+
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(cache) / "omni-server" / "videos"
 
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda`` when a CUDA device is visible, else ``cpu``."""

@@ -9,8 +9,8 @@ iteration (``step``):
    first ``pipeline.start`` for jobs that have not started (prompt encoding, prefix K/V, AR rows), then
    ``pipeline.step``. With ``--batch-invariant`` each job runs in a forward of its own. A forward that raises is
    run again one request at a time, so only the culprit fails (``forward_isolating_failures``);
-3. requests whose jobs all finished are decoded together (``pipeline.decode``); their files (PNG, WAV) are
-   encoded on a thread pool, off the loop, while the next iterations' forwards run;
+3. requests whose jobs all finished are decoded together (``pipeline.decode``); their files (PNG, WAV, MP4) are
+   encoded on a thread pool (``encode_output``), off the loop, while the next iterations' forwards run;
 4. the strategy reports every request that ended (completed: its files encoded; aborted; failed); each gets its
    one ``RequestFinished`` and ``pipeline.release`` frees what the pipeline held for it.
 
@@ -89,11 +89,17 @@ class Timer:
         )
 
 
-def encode_output(output: object) -> bytes:
-    """The file an output travels as: PNG for an image, WAV for a song."""
+def encode_output(output: object, *, video_crf: int | None = None) -> bytes:
+    """The file an output travels as: PNG for an image, WAV for a song, MP4 for a video (``omni_models.Video``:
+    H.264 at its ``fps``, ``video_crf`` its quality, ``omni_server.video_io``)."""
     wav = getattr(output, "wav", None)
     if wav is not None:
         return wav()
+    frames = getattr(output, "frames", None)
+    if frames is not None:
+        from omni_server.video_io import DEFAULT_CRF, encode_mp4
+
+        return encode_mp4(frames, output.fps, crf=DEFAULT_CRF if video_crf is None else video_crf)
     buffer = io.BytesIO()
     output.save(buffer, format="PNG")
     return buffer.getvalue()
@@ -161,7 +167,8 @@ def warmup_request(info: ModelInfo, sequence_parallel_size: int = 1) -> Generati
     if rule is not None and sequence_parallel_size > 1:
         height = width = min(rule.min_side * sequence_parallel_size, rule.max_side)
     word = info.vocabulary[0] if info.vocabulary else "warm up"
-    return GenerationRequest(prompt=word, height=height, width=width, num_inference_steps=2, seed=0)
+    frames = {"num_frames": 1} if info.video is not None else {}  # a video model: its shortest clip
+    return GenerationRequest(prompt=word, height=height, width=width, num_inference_steps=2, seed=0, **frames)
 
 
 def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[GenerationRequest]:
@@ -175,6 +182,7 @@ def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[Gene
     max_rows = config.max_rows_per_step or info.image.max_images_per_request
     max_rows = 1 if config.batch_invariant else min(max_rows, info.image.max_images_per_request)
     word = info.vocabulary[0] if info.vocabulary else "warm up"
+    frames = {"num_frames": 1} if info.video is not None else {}
     # One row: one image without CFG (guidance 1 turns true CFG off); more rows: that many images, guided or not.
     return [
         GenerationRequest(
@@ -185,6 +193,7 @@ def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[Gene
             num_inference_steps=2,
             seed=0,
             guidance_scale=1.0 if rows == 1 else None,
+            **frames,
         )
         for rows, (height, width) in warmup_shapes(info.image.sizes, max_rows=max_rows)
     ]
@@ -383,7 +392,9 @@ class EngineCore:
         offset = 0
         for request in finished:
             outputs = decoded[offset : offset + len(request.jobs)]
-            self._encoding[request.request_id] = [self._encoder.submit(encode_output, out) for out in outputs]
+            self._encoding[request.request_id] = [
+                self._encoder.submit(encode_output, out, video_crf=self._config.video_crf) for out in outputs
+            ]
             offset += len(request.jobs)
 
     def _encoded(self) -> list[str]:

@@ -4,7 +4,8 @@ The request is built from the flags and checked against the model's metadata (``
 anything loads (``--lora PATH[:SCALE]`` serves that one adapter, checked at start like ``serve``'s
 ``--lora-modules``); then the engine (``omni_server.engine.EngineCore``, the one ``serve`` runs, over one rank or a
 worker group) runs it with a progress bar over its steps, and its outputs are written: PNG per image (``-n``:
-``NAME-i.png``), WAV for a song. The same seed gives the same bytes as the HTTP API.
+``NAME-i.png``), WAV for a song, MP4 for a video (``omni_server.video_io``, ``--video-crf``). The same seed gives
+the same bytes as the HTTP API.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ REQUEST_FLAGS = {
     "cache": "--step-cache",
     "model": "--lora",
     "lora_scale": "--lora",
+    "num_frames": "--num-frames",
+    "fps": "--fps",
+    "guidance_scale_2": "--guidance-scale-2",
 }
 SMALL_SIDE = 128  # below this, generate says how to write the image larger
 
@@ -135,6 +139,9 @@ def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) ->
         images=images,
         lora=config.lora_modules[0].name if getattr(args, "lora", None) else None,
         lora_scale=parse_lora_argument(args.lora)[1] if getattr(args, "lora", None) else None,
+        num_frames=getattr(args, "num_frames", None),
+        fps=getattr(args, "fps", None),
+        guidance_scale_2=getattr(args, "guidance_scale_2", None),
     )
     try:
         return resolve_request(info, request, default_cache=config.default_step_cache())
@@ -186,13 +193,20 @@ def generate_to_files(
     from omni_server.protocol import EngineStats, RequestFinished
 
     music = spec.info.audio is not None
-    if upscale < 1 or (upscale > 1 and music):
+    video = spec.info.task == "text-to-video"
+    if upscale < 1 or (upscale > 1 and (music or video)):
         raise GenerateError(
             "--upscale takes a whole factor >= 1, for images"
             if upscale < 1
-            else "--upscale applies to images; a music model writes a WAV"
+            else f"--upscale applies to images; a {'music' if music else 'video'} model writes "
+            f"{'a WAV' if music else 'an MP4'}"
         )
-    path = Path(output or ("song.wav" if music else "out.png"))
+    if video:
+        from omni_server import video_io
+
+        if not video_io.available():
+            raise GenerateError(video_io.MISSING_AV)
+    path = Path(output or ("song.wav" if music else "clip.mp4" if video else "out.png"))
     try:
         if config.world_size > 1:
             from omni_server.workers import WorkerGroup
@@ -226,7 +240,7 @@ def generate_to_files(
     for file, data in zip(paths, finished.outputs, strict=True):
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_bytes(_upscaled(data, upscale) if upscale > 1 else data)
-    if not music and upscale == 1 and max(request.height, request.width) < SMALL_SIDE:
+    if not music and not video and upscale == 1 and max(request.height, request.width) < SMALL_SIDE:
         print(
             f"note: {spec.info.variant} draws {request.width}x{request.height} images; --upscale 8 writes them "
             "8 times larger",

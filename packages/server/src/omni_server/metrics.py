@@ -3,7 +3,8 @@
 Names follow vLLM's ``vllm:`` convention with an ``omni:`` prefix. Gauges mirror
 the engine's latest ``EngineStats`` (zeroed when the engine dies: its requests and blocks are gone);
 ``omni:engine_ready`` and ``omni:engine_heartbeat_age_seconds`` are read at scrape time; histograms are
-observed as requests finish.
+observed as requests finish (video jobs count as requests: ``omni:request_finished`` and the latency histograms
+include them; ``omni:video_jobs`` and ``omni:video_storage_bytes`` say what the videos API holds).
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ class ServerMetrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             registry=r,
         ).labels(**labels)
+        self.video_jobs = Gauge(
+            "omni:video_jobs",
+            "Video jobs by status: queued and in_progress (unfinished), completed and failed (kept in --video-dir).",
+            ["model_name", "status"],
+            registry=r,
+        )
+        self.video_storage_bytes = Gauge(
+            "omni:video_storage_bytes", "MP4 bytes kept in --video-dir.", ["model_name"], registry=r
+        ).labels(**labels)
         self._model_name = model_name
 
     def observe_step_cache(self, finished: RequestFinished) -> None:
@@ -109,6 +119,11 @@ class ServerMetrics:
             cached = self.step_cache_steps.labels(model_name=self._model_name, decision="cached")
             cached.inc(stats.num_steps - stats.computed_steps)
             self.step_cache_block_fraction.observe(stats.block_fraction)
+
+    def observe_videos(self, counts: dict[str, int], stored_bytes: int) -> None:
+        for status, count in counts.items():
+            self.video_jobs.labels(model_name=self._model_name, status=status).set(count)
+        self.video_storage_bytes.set(stored_bytes)
 
     def count_finished(self, outcome: str) -> None:
         """``outcome`` is one of success, invalid, error, aborted, unavailable, rejected (queue full), timeout."""

@@ -1,7 +1,7 @@
 """Messages between the API process and the engine process (msgspec msgpack over a pipe).
 
 Every message is a tagged struct, so one decoder per direction turns bytes back
-into the right type. Outputs travel as encoded files (PNG, WAV); the API process base64-encodes images.
+into the right type. Outputs travel as encoded files (PNG, WAV, MP4); the API process base64-encodes images.
 
 One error channel: every request ends in exactly one ``RequestFinished``, and a request that did not
 produce images carries a ``RequestError`` whose ``kind`` (a closed ``Literal``) alone decides the HTTP answer
@@ -87,7 +87,7 @@ class RequestError(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """The one answer to a request: ``outputs`` (one encoded file per output: a PNG per image, a WAV per song) or
+    """The one answer to a request: ``outputs`` (one encoded file per output: PNG, WAV or MP4) or
     ``error``, never both."""
 
     request_id: str

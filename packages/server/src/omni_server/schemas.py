@@ -121,8 +121,8 @@ class ModelObject(BaseModel):
     owned_by: str = "omni"
     parent: str | None = Field(default=None, description="LoRA adapters: the base model they apply to")
     root: str | None = Field(default=None, description="LoRA adapters: the adapter's file or directory")
-    task: Literal["text-to-image", "text-to-music"]
-    family: str = Field(description="omni-dit, flux, flux-kontext, qwen-image or omni-music")
+    task: Literal["text-to-image", "text-to-video", "text-to-music"]
+    family: str = Field(description="omni-dit, flux, flux-kontext, qwen-image, wan or omni-music")
     variant: str
     accepts: list[str] = Field(description="request fields this model uses")
     # image models
@@ -142,6 +142,12 @@ class ModelObject(BaseModel):
     step_cache_presets: dict[str, dict[str, Any]] | None = Field(
         default=None, description="the `cache` presets and their knobs (models that accept `cache`)"
     )
+    # video models (the image fields above describe each frame)
+    default_num_frames: int | None = None
+    max_num_frames: int | None = None
+    frame_multiple: int | None = Field(default=None, description="video models: num_frames is frame_multiple * k + 1")
+    default_fps: int | None = None
+    max_fps: int | None = None
     # music models
     sample_rate: int | None = None
     channels: int | None = None
@@ -183,6 +189,17 @@ def model_object(info: ModelInfo, served_name: str, created: int) -> ModelObject
                 max_prompt_tokens=image.max_prompt_tokens,
                 max_input_images=image.max_input_images or None,
                 step_cache_presets=preset_table() if "cache" in info.accepts else None,
+            )
+        )
+    if info.video is not None:
+        video = info.video
+        entry = entry.model_copy(
+            update=dict(
+                default_num_frames=video.default_num_frames,
+                max_num_frames=video.max_num_frames,
+                frame_multiple=video.frame_multiple,
+                default_fps=video.default_fps,
+                max_fps=video.max_fps,
             )
         )
     if info.audio is not None:

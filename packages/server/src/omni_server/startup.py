@@ -5,7 +5,8 @@ reads the model through ``omni_models.inspect`` (configs and safetensors headers
 asks each library whether the flags make sense together: ``omni_models.registry.check_load_options`` (FP8 and
 offload options), ``dlo_offload.check_allgather_plan`` (resident blocks and AllGather), the model's capabilities
 (``ModelSpec.capabilities``), every ``--lora-modules`` adapter against the model's metadata
-(``omni_models.inspect_lora``: read, converted and checked, nothing loaded) and the visible devices. A failure is a
+(``omni_models.inspect_lora``: read, converted and checked, nothing loaded), a video model's MP4 encoder, and the
+visible devices. ``check_video_dir`` checks ``serve``'s ``--video-dir`` for a video model. A failure is a
 ``ConfigError`` naming the flags.
 """
 
@@ -179,5 +180,22 @@ def check_startup(config: ServerConfig) -> ModelSpec:
             raise ConfigError(f"{exc} ({variant} has {spec.info.transformer_blocks} repeated blocks)") from None
     if config.enable_lora:
         check_lora_modules(config, spec)
+    if spec.info.task == "text-to-video":
+        from omni_server import video_io
+
+        if not video_io.available():
+            raise ConfigError(video_io.MISSING_AV)
     check_devices(config)
     return spec
+
+
+def check_video_dir(config: ServerConfig) -> None:
+    """``serve`` of a video model keeps its videos in ``--video-dir``: a directory it can create and write."""
+    import os
+
+    directory = config.resolved_video_dir()
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--video-dir {directory}: {existing} is not a directory; pass a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--video-dir {directory}: {existing} is not writable by this server; pass one that is")
