@@ -45,7 +45,9 @@ def info(
     name: str, transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], max_sequence_length: int | None
 ) -> ModelInfo:
     factor = vae_scale_factor(vae_config)
-    multiple, side = factor * 2, DEFAULT_SAMPLE_SIZE * factor
+    # The native side: QwenImagePipeline's default (128 latents), or a VAE config's ``sample_size`` where it has one
+    # (not a field of AutoencoderKLQwenImage: omni's tiny edit checkpoints set it so their references stay small).
+    multiple, side = factor * 2, int(vae_config.get("sample_size") or DEFAULT_SAMPLE_SIZE * factor)
     return ModelInfo(
         name=name,
         family="qwen-image",
