@@ -190,3 +190,9 @@ def load(directory: Path, name: str, options: Any) -> FamilyPipeline:
     from omni_models.diffusers_adapter import load_family
 
     return load_family(FAMILY, directory, name, options)
+
+
+def inspect_lora(directory: Path, path: Path, *, max_rank: int) -> Any:
+    from omni_models.lora_files import inspect_family_lora
+
+    return inspect_family_lora(FAMILY, directory, path, max_rank=max_rank)
