@@ -193,7 +193,7 @@ def _decoded(response) -> list[Image.Image]:
 
 
 def test_openai_sdk_edits_draw_what_diffusers_draws(edit_server, reference, tools) -> None:
-    from openai import BadRequestError, OpenAI
+    from openai import BadRequestError, NotFoundError, OpenAI
 
     client = OpenAI(base_url=f"{edit_server.url}/v1", api_key="unused", timeout=300)
     one = _noise(40, 24, 3)
@@ -245,6 +245,9 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(edit_server, reference, tool
     with pytest.raises(BadRequestError) as raised:
         client.images.edit(image=[("a.png", _png(first), "image/png")] * 4, prompt="x")
     assert raised.value.body["param"] == "image"
+    with pytest.raises(NotFoundError) as raised:  # a server without --enable-lora serves no adapter
+        client.images.edit(image=("a.png", _png(first), "image/png"), prompt="x", model="shift")
+    assert raised.value.body["param"] == "model"
 
 
 def test_generate_cli_edits_two_images_like_diffusers(edit_dir, reference, tools, tmp_path) -> None:

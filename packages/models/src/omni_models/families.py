@@ -250,6 +250,11 @@ class FamilyJob:
         return self.conditioning.negative_prompt is not None
 
     @property
+    def forward_rows(self) -> int:
+        """Rows this job puts in a transformer forward: 2 under true CFG (cond, uncond), else 1."""
+        return 2 if self.guided else 1
+
+    @property
     def num_rows(self) -> int:
         """Rows of a forward's row budget: 2 under true CFG, else 1; an edit row counts as many rows as its
         sequence (output + reference tokens) is a multiple of the output's, rounded up."""
@@ -482,7 +487,7 @@ class FamilyPipeline:
                     request.cache,
                     num_blocks=self.info.transformer_blocks,
                     num_steps=job.num_steps,
-                    num_rows=job.num_rows,
+                    num_rows=job.forward_rows,
                 )
             jobs.append(job)
         return jobs
@@ -499,7 +504,9 @@ class FamilyPipeline:
         latent_h, latent_w = self.backend.latent_size(*job.size)
         image_tokens = (latent_h // 2) * (latent_w // 2)
         text_tokens = self.info.image.max_prompt_tokens
-        streams = [(image_tokens * width, text_tokens * width)] * job.num_rows
+        if job.reference is not None:
+            image_tokens += job.reference.num_tokens  # an edit row's image stream holds its reference tokens too
+        streams = [(image_tokens * width, text_tokens * width)] * job.forward_rows
         return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     def _adapter(self, name: str | None) -> LoRAAdapter | None:
@@ -595,8 +602,8 @@ class FamilyPipeline:
         if self.lora is None:
             output = self._forward(rows, caches, height, width)
         else:
-            adapters = [job.lora for job in group for _ in range(job.num_rows)]
-            scales = [job.request.lora_scale for job in group for _ in range(job.num_rows)]
+            adapters = [job.lora for job in group for _ in range(job.forward_rows)]
+            scales = [job.request.lora_scale for job in group for _ in range(job.forward_rows)]
             with self.lora.rows(adapters, scales):
                 output = self._forward(rows, caches, height, width)
         velocities = iter(output)
