@@ -264,3 +264,59 @@ def test_generate_cli_edits_two_images_like_diffusers(edit_dir, reference, tools
     # No --size: the output takes the first input's size (16x32).
     expected = _expected(reference, [first, second], [3, 4], 32, 16, prompt="a yellow triangle", num_inference_steps=2)
     _check(tools.psnr, "qwen-image-edit generate --image x2", [Image.open(p).convert("RGB") for p in paths], expected)
+
+
+# --- FP8 and layerwise offload (CPU) ---------------------------------------------------------------------------------
+
+FP8_PSNR_BOUND_DB = 35.0  # an FP8 edit against the fp32 edit, same seed (the families' text-to-image bound)
+
+
+@pytest.fixture(scope="module")
+def kontext_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omni_models import synthetic
+
+    directory = tmp_path_factory.mktemp("flux-kontext")
+    return synthetic.save_checkpoint("flux-kontext", synthetic.flux_components("tiny"), directory)
+
+
+def _edit(pipe, images):
+    from omni_models import GenerationRequest, InputImage, resolve_request
+
+    request = GenerationRequest(
+        prompt="a red circle",
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        guidance_scale=3.0,
+        images=tuple(InputImage.from_pil(image) for image in images),
+        num_inference_steps=3,
+        seed=4,
+        n=2,
+    )
+    jobs = pipe.prepare(resolve_request(pipe.info, request))
+    pipe.start(jobs)
+    while not jobs[0].finished:
+        pipe.step(jobs)
+    images = pipe.decode(jobs)
+    pipe.release(jobs)
+    return images
+
+
+@pytest.mark.parametrize("family", ["qwen-image-edit", "flux-kontext"])
+def test_edits_under_layerwise_offload_and_fp8_equal_the_plain_edit(family, edit_dir, kontext_dir, tools) -> None:
+    """Layerwise offload: the same bytes (two input images, n=2, true CFG); FP8 (``--quantization fp8``'s load):
+    within ``FP8_PSNR_BOUND_DB`` of the fp32 edit."""
+    from omni_models import load
+
+    directory = str(edit_dir if family == "qwen-image-edit" else kontext_dir)
+    images = [_noise(40, 24, 21), _noise(16, 32, 22)]
+    plain = _edit(load(directory), images)
+    offloaded_pipe = load(directory, layerwise_offload=True)
+    assert offloaded_pipe.offload is not None
+    offloaded = _edit(offloaded_pipe, images)
+    assert [image.tobytes() for image in offloaded] == [image.tobytes() for image in plain]
+    fp8_pipe = load(directory, quantization="fp8")
+    assert fp8_pipe.fp8 is not None and fp8_pipe.fp8.quantized
+    fp8 = _edit(fp8_pipe, images)
+    figures = [tools.psnr(a, b) for a, b in zip(fp8, plain, strict=True)]
+    print(f"{family} FP8 edit vs fp32: {[round(f, 1) for f in figures]} dB")
+    assert min(figures) >= FP8_PSNR_BOUND_DB, figures
