@@ -61,7 +61,12 @@ def test_a_directory_that_is_not_a_diffusers_checkpoint(tmp_path):
 def test_an_unknown_pipeline_class_or_component_class(flux_dev_dir, tmp_path):
     path = _copy(flux_dev_dir, tmp_path)
     _edit_json(path / "model_index.json", _class_name="StableDiffusion3Pipeline")
-    _expect(path, path / "model_index.json", "unknown _class_name 'StableDiffusion3Pipeline'; supported: FluxPipeline")
+    _expect(
+        path,
+        path / "model_index.json",
+        "unknown _class_name 'StableDiffusion3Pipeline'; supported: FluxKontextPipeline, FluxPipeline, "
+        "QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline",
+    )
     _edit_json(path / "model_index.json", _class_name="FluxPipeline", vae=["diffusers", "AutoencoderTiny"])
     _expect(path, path / "model_index.json", "component 'vae' is ['diffusers', 'AutoencoderTiny']")
 

@@ -49,7 +49,7 @@ def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omni_models import synthetic
 
     directory = tmp_path_factory.mktemp("qwen-image-edit")
-    return synthetic.save_checkpoint("qwen-image-edit", synthetic.qwen_image_edit_components("tiny"), directory)
+    return synthetic.save_checkpoint("qwen-image-edit-plus", synthetic.qwen_image_edit_components("tiny"), directory)
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +320,51 @@ def test_edits_under_layerwise_offload_and_fp8_equal_the_plain_edit(family, edit
     figures = [tools.psnr(a, b) for a, b in zip(fp8, plain, strict=True)]
     print(f"{family} FP8 edit vs fp32: {[round(f, 1) for f in figures]} dB")
     assert min(figures) >= FP8_PSNR_BOUND_DB, figures
+
+
+# --- Qwen-Image-Edit (the first release, one image) ------------------------------------------------------------------
+
+
+def test_qwen_image_edit_v1_draws_what_diffusers_draws(tmp_path, monkeypatch, tools) -> None:
+    """``QwenImageEditPipeline``: one image, read by Qwen2.5-VL and the VAE at the VAE area (1024² in diffusers,
+    a fixed call inside its ``__call__``: the test scales diffusers' ``calculate_dimensions`` to the tiny
+    checkpoint's 64² area), n=2 with true CFG, against diffusers at the same seeds."""
+    import transformers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as v1
+
+    from omni_models import GenerationRequest, InputImage, InvalidRequestError, load, resolve_request, synthetic
+    from omni_models.diffusers_adapter import qwen2_vl_processor
+
+    directory = synthetic.save_checkpoint("qwen-image-edit", synthetic.qwen_image_edit_components("tiny"), tmp_path)
+    pipe = load(str(directory))
+    assert (pipe.info.variant, pipe.info.image.max_input_images) == ("qwen-image-edit", 1)
+    image = _noise(40, 24, 31)
+    with pytest.raises(InvalidRequestError, match="at most 1") as raised:
+        resolve_request(pipe.info, GenerationRequest(prompt="x", images=(InputImage.from_pil(image),) * 2))
+    assert raised.value.param == "image"
+    served = pipe(
+        "a red circle",
+        image=image,
+        negative_prompt="blurry",
+        guidance_scale=3.0,
+        num_inference_steps=2,
+        seed=5,
+        num_images_per_prompt=2,
+    )
+    calculate = v1.calculate_dimensions
+    monkeypatch.setattr(v1, "calculate_dimensions", lambda area, ratio: calculate(area * (NATIVE / 1024) ** 2, ratio))
+    processor = qwen2_vl_processor(transformers.Qwen2Tokenizer.from_pretrained(str(directory / "processor")))
+    reference = diffusers.QwenImageEditPipeline.from_pretrained(str(directory), processor=processor)
+    reference.set_progress_bar_config(disable=True)
+    expected = reference(
+        image=image,
+        prompt="a red circle",
+        negative_prompt="blurry",
+        true_cfg_scale=3.0,
+        num_inference_steps=2,
+        height=24,
+        width=40,
+        num_images_per_prompt=2,
+        generator=[torch.Generator("cpu").manual_seed(seed) for seed in (5, 6)],
+    ).images
+    _check(tools.psnr, "qwen-image-edit (v1)", served, expected)

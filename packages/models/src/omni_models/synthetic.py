@@ -389,11 +389,11 @@ def qwen_image_edit_components(
     seed: int = 0,
     native_side: int | None = None,
 ) -> dict[str, Any]:
-    """``QwenImageEditPlusPipeline`` constructor arguments with random weights: Qwen-Image's, plus the Qwen2-VL
-    processor (Qwen2-VL's image processor defaults over the same tokenizer; built without torchvision).
-    ``native_side`` (default: 64 for ``"tiny"``, the published 1024 for ``"full"``) is written into the VAE config
-    as ``sample_size``: the references are encoded at the VAE area ``native_side²`` (diffusers' 1024² scaled), so a
-    tiny checkpoint's stay a few tokens."""
+    """``QwenImageEditPlusPipeline`` (and ``QwenImageEditPipeline``) constructor arguments with random weights:
+    Qwen-Image's, plus the Qwen2-VL processor (Qwen2-VL's image processor defaults over the same tokenizer; built
+    without torchvision). ``native_side`` (default: 64 for ``"tiny"``, the published 1024 for ``"full"``) is written
+    into the VAE config as ``sample_size``: the references are encoded at the VAE area ``native_side²`` (diffusers'
+    1024² scaled), so a tiny checkpoint's stay a few tokens."""
     if native_side is None and size == "tiny":
         native_side = 64
     from omni_models.diffusers_adapter import qwen2_vl_processor
@@ -410,7 +410,8 @@ PIPELINE_CLASSES = {
     "flux": "FluxPipeline",
     "flux-kontext": "FluxKontextPipeline",
     "qwen-image": "QwenImagePipeline",
-    "qwen-image-edit": "QwenImageEditPlusPipeline",
+    "qwen-image-edit-plus": "QwenImageEditPlusPipeline",
+    "qwen-image-edit": "QwenImageEditPipeline",
 }
 
 

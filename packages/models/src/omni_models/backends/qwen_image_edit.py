@@ -1,4 +1,5 @@
-"""Qwen-Image-Edit-2509 (``QwenImageEditPlusPipeline``: one to three input images, true CFG) as an omni family.
+"""Qwen-Image-Edit-2509 (``QwenImageEditPlusPipeline``: one to three input images, true CFG) and Qwen-Image-Edit
+(``QwenImageEditPipeline``: one image) as omni families.
 
 diffusers' ``QwenImageEditPlusPipeline`` is the math; everything it shares with Qwen-Image (the transformer and
 its ragged-text forward, the schedule, the norm-rescaled true CFG, the VAE decode) is ``omni_models.backends.
@@ -58,31 +59,46 @@ NATIVE_SIDE = 1024
 MAX_INPUT_IMAGES = 3  # Qwen-Image-Edit-2509 takes one to three images
 
 
-def info(
-    name: str, transformer_config: Mapping[str, Any], vae_config: Mapping[str, Any], max_sequence_length: int | None
-) -> ModelInfo:
-    base = qwen_image.info(name, transformer_config, vae_config, max_sequence_length)
-    image = base.image
-    assert image is not None
-    return msgspec.structs.replace(
-        base,
-        family="qwen-image-edit",
-        variant="qwen-image-edit-plus",
-        accepts=(*FAMILY_ACCEPTS, "image"),
-        image=msgspec.structs.replace(image, min_input_images=1, max_input_images=MAX_INPUT_IMAGES),
-    )
+def _info(variant: str, max_images: int):
+    def info(
+        name: str,
+        transformer_config: Mapping[str, Any],
+        vae_config: Mapping[str, Any],
+        max_sequence_length: int | None,
+    ) -> ModelInfo:
+        base = qwen_image.info(name, transformer_config, vae_config, max_sequence_length)
+        image = base.image
+        assert image is not None
+        return msgspec.structs.replace(
+            base,
+            family="qwen-image-edit",
+            variant=variant,
+            accepts=(*FAMILY_ACCEPTS, "image"),
+            image=msgspec.structs.replace(image, min_input_images=1, max_input_images=max_images),
+        )
+
+    return info
 
 
 FAMILY = dataclasses.replace(
     qwen_image.FAMILY,
-    name="qwen-image-edit",
+    name="qwen-image-edit-plus",
     pipeline_class="QwenImageEditPlusPipeline",
     slots={
         **qwen_image.FAMILY.slots,
         "processor": Slot("transformers", ("Qwen2VLProcessor",), "processor"),
     },
     backend="omni_models.backends.qwen_image_edit:QwenImageEditPlusBackend",
-    info=info,
+    info=_info("qwen-image-edit-plus", MAX_INPUT_IMAGES),
+)
+# Qwen-Image-Edit (the first release: ``QwenImageEditPipeline``): one image, which Qwen2.5-VL and the VAE both read
+# at the VAE area (its prompt template holds the one image's tokens).
+EDIT_FAMILY = dataclasses.replace(
+    FAMILY,
+    name="qwen-image-edit",
+    pipeline_class="QwenImageEditPipeline",
+    backend="omni_models.backends.qwen_image_edit:QwenImageEditBackend",
+    info=_info("qwen-image-edit", 1),
 )
 
 
@@ -186,19 +202,41 @@ class QwenImageEditPlusBackend(qwen_image.QwenImageBackend):
         return velocity[:, :output_tokens]
 
 
+class QwenImageEditBackend(QwenImageEditPlusBackend):
+    family = EDIT_FAMILY
+
+    def prepare_reference(self, request: ResolvedRequest) -> ReferenceConditioning | None:
+        if len(request.images) != 1:
+            raise ValueError("Qwen-Image-Edit takes one input image")  # resolve_request refuses others first
+        pil = request.images[0].to_pil()
+        _, vae_area = reference_areas(self._native_side())
+        width, height = calculate_dimensions(vae_area, pil.width / pil.height)
+        processor = self.pipeline.image_processor
+        resized = processor.resize(pil, height, width)  # what Qwen2.5-VL reads and the VAE encodes
+        pixels = processor.preprocess(resized, height, width).unsqueeze(2)
+        shape = (height // self.vae_scale_factor, width // self.vae_scale_factor)
+        return ReferenceConditioning(pixels=[pixels], latent_shapes=(shape,), vision_inputs=[resized])
+
+
+def _family(directory: Path) -> Any:
+    from omni_models.registry import kind_of
+
+    return EDIT_FAMILY if kind_of(directory).pipeline_class == EDIT_FAMILY.pipeline_class else FAMILY
+
+
 def inspect(directory: Path, name: str) -> ModelSpec:
     from omni_models.diffusers_adapter import inspect_family
 
-    return inspect_family(FAMILY, directory, name)
+    return inspect_family(_family(directory), directory, name)
 
 
 def load(directory: Path, name: str, options: Any) -> FamilyPipeline:
     from omni_models.diffusers_adapter import load_family
 
-    return load_family(FAMILY, directory, name, options)
+    return load_family(_family(directory), directory, name, options)
 
 
 def inspect_lora(directory: Path, path: Path, *, max_rank: int) -> Any:
     from omni_models.lora_files import inspect_family_lora
 
-    return inspect_family_lora(FAMILY, directory, path, max_rank=max_rank)
+    return inspect_family_lora(_family(directory), directory, path, max_rank=max_rank)
