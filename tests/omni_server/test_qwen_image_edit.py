@@ -100,6 +100,31 @@ def test_reference_geometry_is_diffusers() -> None:
             assert edit.calculate_dimensions(area, ratio) == plus.calculate_dimensions(area, ratio)
 
 
+def test_the_checkpoint_is_inspected_from_metadata_and_a_bad_processor_folder_is_named(edit_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    from omni_models import CheckpointError, inspect, load
+
+    spec = inspect(str(edit_dir))
+    assert (spec.kind, spec.info.variant, spec.capabilities.lora) == (
+        "qwen-image-edit-plus",
+        "qwen-image-edit-plus",
+        True,
+    )
+    broken = shutil.copytree(edit_dir, tmp_path / "broken")
+    config = broken / "processor" / "processor_config.json"
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps({k: v for k, v in settings.items() if k != "image_processor"}))
+    with pytest.raises(CheckpointError, match="no image_processor settings") as raised:
+        load(str(broken))
+    assert str(raised.value).startswith(str(config))
+    config.unlink()
+    with pytest.raises(CheckpointError, match="missing") as raised:
+        inspect(str(broken))  # the preflight reads the processor folder before anything is loaded
+    assert str(raised.value).startswith(str(config))
+
+
 def test_processor_equals_transformers_torchvision_processor(edit_dir) -> None:
     """The torchvision-free processor's ``input_ids``, ``pixel_values`` and ``image_grid_thw`` are transformers'
     torchvision processor's, bit for bit (resizes up and down, odd aspect ratios). Skipped where torchvision does
