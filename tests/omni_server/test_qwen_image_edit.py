@@ -275,6 +275,42 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(edit_server, reference, tool
     assert raised.value.body["param"] == "model"
 
 
+def test_an_edit_with_a_step_cache_draws_what_the_pipeline_draws_with_it(edit_server, edit_dir, tools) -> None:
+    """``cache`` on a Qwen-Image-Edit edit (ragged text, two references, true CFG): the server's decisions and image
+    are the pipeline's own step-cache path's."""
+    from openai import OpenAI
+
+    from omni_models import GenerationRequest, InputImage, load, resolve_request
+
+    client = OpenAI(base_url=f"{edit_server.url}/v1", api_key="unused", timeout=300)
+    images = [_noise(24, 24, 41), _noise(16, 32, 42)]
+    cache = '{"method": "mask", "mask": "medium", "warmup_steps": 1}'
+    raw = client.images.with_raw_response.edit(
+        image=[(f"{i}.png", _png(image), "image/png") for i, image in enumerate(images)],
+        prompt="a green cat",
+        size="32x32",
+        extra_body={"num_inference_steps": 6, "seed": 2, "cache": cache},
+    )
+    usage = raw.http_response.json()["usage"]["step_cache"]
+    assert [u["decisions"] for u in usage] == ["CCSCSC"]
+    pipe = load(str(edit_dir))
+    request = GenerationRequest(
+        prompt="a green cat",
+        images=tuple(InputImage.from_pil(image) for image in images),
+        height=32,
+        width=32,
+        num_inference_steps=6,
+        seed=2,
+        cache={"method": "mask", "mask": "medium", "warmup_steps": 1},
+    )
+    jobs = pipe.prepare(resolve_request(pipe.info, request))
+    pipe.start(jobs)
+    while not jobs[0].finished:
+        pipe.step(jobs)
+    assert jobs[0].step_cache.stats().decisions == "CCSCSC"
+    _check(tools.psnr, "qwen-image-edit with a step cache vs the pipeline's", _decoded(raw.parse()), pipe.decode(jobs))
+
+
 def test_generate_cli_edits_two_images_like_diffusers(edit_dir, reference, tools, tmp_path) -> None:
     first, second = _noise(16, 32, 6), _noise(32, 16, 7)
     first.save(tmp_path / "first.png")
