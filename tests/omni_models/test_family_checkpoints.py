@@ -65,7 +65,7 @@ def test_an_unknown_pipeline_class_or_component_class(flux_dev_dir, tmp_path):
         path,
         path / "model_index.json",
         "unknown _class_name 'StableDiffusion3Pipeline'; supported: FluxKontextPipeline, FluxPipeline, "
-        "QwenImagePipeline, WanPipeline",
+        "QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, WanPipeline",
     )
     _edit_json(path / "model_index.json", _class_name="FluxPipeline", vae=["diffusers", "AutoencoderTiny"])
     _expect(path, path / "model_index.json", "component 'vae' is ['diffusers', 'AutoencoderTiny']")

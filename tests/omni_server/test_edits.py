@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import subprocess
 import sys
 import threading
@@ -179,8 +180,22 @@ def test_reference_is_encoded_once_per_request_shared_by_its_jobs_and_freed_at_r
 
 
 @pytest.fixture(scope="module")
-def kontext_server(kontext_dir, server_factory):
-    handle = server_factory(str(kontext_dir), "--served-model-name", "kontext", *SERVER_FLAGS)
+def adapter(kontext_dir, tmp_path_factory) -> Path:
+    """A random PEFT LoRA on the Kontext transformer's attention and MLP linears (diffusers' file format)."""
+    pytest.importorskip("peft")
+    from omni_models import synthetic
+
+    transformer = diffusers.FluxTransformer2DModel.from_pretrained(str(kontext_dir / "transformer"))
+    modules = ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp"]
+    state, config = synthetic.random_lora(transformer, rank=4, target_modules=modules, seed=1, std=0.3)
+    directory = tmp_path_factory.mktemp("kontext-lora")
+    return synthetic.save_lora("flux-kontext", directory, state, config)
+
+
+@pytest.fixture(scope="module")
+def kontext_server(kontext_dir, adapter, server_factory):
+    lora = ("--enable-lora", "--lora-modules", f"shift={adapter}")
+    handle = server_factory(str(kontext_dir), "--served-model-name", "kontext", *lora, *SERVER_FLAGS)
     yield handle
     handle.stop()
 
@@ -305,6 +320,68 @@ def test_edits_refuse_what_they_cannot_honour_by_name(kontext_server) -> None:
         )
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == "image" and "transparent" in error["message"]
+
+
+def test_edits_run_the_step_cache_as_the_engine_level_path_does(kontext_server, kontext_dir, tools) -> None:
+    """``cache`` on the edits route (a JSON object of knobs in a form field): the edit skips the middle blocks on the
+    steps the policy caches (``usage.step_cache``) and draws what the pipeline's own step-cache path draws."""
+    from openai import BadRequestError, OpenAI
+
+    from omni_models import GenerationRequest, InputImage, load, resolve_request
+
+    client = OpenAI(base_url=f"{kontext_server.url}/v1", api_key="unused", timeout=300)
+    image = _noise(32, 32, 11)
+    cache = {"method": "mask", "mask": "medium", "warmup_steps": 1}
+    raw = client.images.with_raw_response.edit(
+        image=("a.png", _png(image), "image/png"),
+        prompt="a red circle",
+        extra_body={"num_inference_steps": 6, "seed": 5, "cache": json.dumps(cache)},
+    )
+    usage = raw.http_response.json()["usage"]["step_cache"]
+    assert [u["decisions"] for u in usage] == ["CCSCSC"] and usage[0]["block_fraction"] < 1.0
+    served = _decoded(raw.parse())
+    pipe = load(str(kontext_dir))
+    request = GenerationRequest(
+        prompt="a red circle", images=(InputImage.from_pil(image),), num_inference_steps=6, seed=5, cache=cache
+    )
+    jobs = pipe.prepare(resolve_request(pipe.info, request))
+    pipe.start(jobs)
+    while not jobs[0].finished:
+        pipe.step(jobs)
+    assert jobs[0].step_cache.stats().decisions == "CCSCSC"
+    _check(tools.psnr, "kontext edit with a step cache vs the pipeline's", served, pipe.decode(jobs))
+    for extra, param in (({"cache": "fastest"}, "cache"), ({"cache": "{not json"}, "cache")):
+        with pytest.raises(BadRequestError) as raised:
+            client.images.edit(image=("a.png", _png(image), "image/png"), prompt="x", extra_body=extra)
+        assert raised.value.body["param"] == param, raised.value.body
+
+
+def test_edits_with_a_lora_adapter_draw_what_diffusers_draws_with_it(kontext_server, kontext_dir, adapter, tools):
+    """LoRA on the edits route as on generations: ``model`` names a served adapter, ``lora_scale`` weighs it; the
+    image is diffusers' ``FluxKontextPipeline`` after ``load_lora_weights`` + ``set_adapters([name], [scale])``."""
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    client = OpenAI(base_url=f"{kontext_server.url}/v1", api_key="unused", timeout=300)
+    image = _noise(32, 32, 12)
+    kwargs = dict(image=("a.png", _png(image), "image/png"), prompt="a blue square")
+    body = {"num_inference_steps": 2, "seed": 3}
+    edited = _decoded(client.images.edit(model="shift", **kwargs, extra_body={**body, "lora_scale": 0.7}))
+    base = _decoded(client.images.edit(**kwargs, extra_body=body))
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(str(kontext_dir), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(prompt="a blue square", num_inference_steps=2, guidance_scale=2.5)
+    plain = _expected(pipe, image, 3, 32, 32, **call)
+    pipe.load_lora_weights(str(adapter), adapter_name="shift")
+    pipe.set_adapters(["shift"], [0.7])
+    _check(tools.psnr, "kontext edit with LoRA (OpenAI SDK)", edited, [_expected(pipe, image, 3, 32, 32, **call)])
+    _check(tools.psnr, "kontext edit without LoRA beside it", base, [plain])
+    assert tools.psnr(edited[0], base[0]) < 30  # the adapter changes the edit
+    with pytest.raises(NotFoundError) as raised:
+        client.images.edit(model="nope", **kwargs)
+    assert raised.value.body["param"] == "model"
+    with pytest.raises(BadRequestError) as raised:
+        client.images.edit(**kwargs, extra_body={"lora_scale": 0.5})  # a scale without an adapter
+    assert raised.value.body["param"] == "lora_scale"
 
 
 def test_generate_cli_edits_two_images_like_diffusers(kontext_dir, reference, tools, tmp_path) -> None:

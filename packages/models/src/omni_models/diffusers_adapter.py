@@ -18,6 +18,8 @@ diffusers' classes, images go through the pipeline's ``image_processor``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import gc
 import importlib
 import logging
@@ -196,6 +198,112 @@ def _load_tokenizer(entry: ComponentEntry) -> Any:
         raise CheckpointError(entry.directory, f"cannot load the {entry.name} ({entry.class_name}): {exc}") from None
 
 
+# --- Qwen2-VL's processor without torchvision ---------------------------------------------------------------------
+#
+# transformers' ``Qwen2VLImageProcessor`` runs on torchvision (and ``Qwen2VLProcessor`` insists on a video processor,
+# which needs it too); PyPI's torchvision wheels do not load beside the CPU torch. The image edit families need only
+# the image path, so omni builds the processor from transformers' PIL/numpy backend of the same image processor
+# (``Qwen2VLImageProcessorPil``: smart resize, patchify, its config keys) with the two steps where the backends
+# differ done the way the torchvision backend does them: the resize is torch's own antialiased uint8 bicubic
+# interpolation (what ``torchvision.transforms.v2.functional.resize`` calls on a CPU uint8 image) and rescale and
+# normalize are one ``(x - 255 mean) / (255 std)`` in float32 (the torchvision backend's fused form). Checked bitwise
+# against the torchvision processor's ``pixel_values`` and ``image_grid_thw`` where torchvision loads
+# (tests/omni_models/test_qwen_image_edit.py).
+
+
+def _qwen2_vl_image_processor_class() -> type:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+
+    class TorchQwen2VLImageProcessor(Qwen2VLImageProcessorPil):
+        def resize(self, image: Any, size: Any, resample: Any, factor: int, **kwargs: Any) -> Any:
+            import numpy as np
+
+            height, width = image.shape[-2:]
+            new_h, new_w = smart_resize(
+                height, width, factor=factor, min_pixels=size.shortest_edge, max_pixels=size.longest_edge
+            )
+            if (new_h, new_w) == (height, width):
+                return image
+            pixels = torch.from_numpy(np.ascontiguousarray(image, dtype=np.uint8))[None]
+            resized = torch.nn.functional.interpolate(
+                pixels, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True
+            )
+            return resized[0].numpy()
+
+        def _preprocess(self, images: Any, **kwargs: Any) -> Any:
+            if kwargs.get("do_rescale") and kwargs.get("do_normalize"):
+                scale = 1.0 / kwargs["rescale_factor"]
+                kwargs.update(
+                    do_rescale=False,
+                    image_mean=torch.tensor(kwargs["image_mean"]) * scale,
+                    image_std=torch.tensor(kwargs["image_std"]) * scale,
+                )
+            return super()._preprocess(images, **kwargs)
+
+        def normalize(self, image: Any, mean: Any, std: Any, **kwargs: Any) -> Any:
+            import numpy as np
+
+            x = torch.from_numpy(np.ascontiguousarray(image)).to(torch.float32)
+            mean = torch.as_tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+            std = torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1)
+            return ((x - mean) / std).numpy()
+
+    TorchQwen2VLImageProcessor.__name__ = TorchQwen2VLImageProcessor.__qualname__ = "Qwen2VLImageProcessor"
+    return TorchQwen2VLImageProcessor
+
+
+def _qwen2_vl_processor_class() -> type:
+    class ImageTextQwen2VLProcessor(transformers.Qwen2VLProcessor):
+        """``Qwen2VLProcessor`` for images and text only (no video processor)."""
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kw)
+
+    ImageTextQwen2VLProcessor.__name__ = ImageTextQwen2VLProcessor.__qualname__ = "Qwen2VLProcessor"
+    return ImageTextQwen2VLProcessor
+
+
+@functools.cache
+def qwen2_vl_classes() -> tuple[type, type]:
+    """(image processor class, processor class): Qwen2-VL's, without torchvision (see above)."""
+    return _qwen2_vl_image_processor_class(), _qwen2_vl_processor_class()
+
+
+def qwen2_vl_processor(tokenizer: Any, **image_processor_config: Any) -> Any:
+    """A Qwen2-VL processor (images and text) over ``tokenizer``."""
+    image_cls, processor_cls = qwen2_vl_classes()
+    return processor_cls(image_processor=image_cls(**image_processor_config), tokenizer=tokenizer)
+
+
+PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+
+
+def _load_processor(entry: ComponentEntry) -> Any:
+    """A checkpoint's Qwen2-VL processor folder (``preprocessor_config.json`` and the tokenizer files) as the
+    torchvision-free processor."""
+    if entry.class_name not in PROCESSOR_CLASSES:
+        raise CheckpointError(entry.directory, f"processor {entry.class_name} is not supported")
+    # transformers 5 writes the image processor's config into processor_config.json; earlier releases (and the
+    # published checkpoints) into preprocessor_config.json.
+    if (entry.directory / "preprocessor_config.json").is_file():
+        config_file = entry.directory / "preprocessor_config.json"
+        config = read_config(entry, config_file.name)
+    else:
+        config_file = entry.directory / "processor_config.json"
+        config = read_config(entry, config_file.name).get("image_processor")
+        if not isinstance(config, dict):
+            raise CheckpointError(config_file, "has no image_processor settings (and there is no preprocessor_config)")
+    image_cls, processor_cls = qwen2_vl_classes()
+    try:
+        image_processor = image_cls.from_dict(
+            {k: v for k, v in config.items() if k not in ("image_processor_type", "processor_class")}
+        )
+    except Exception as exc:
+        raise CheckpointError(config_file, f"cannot build the image processor ({exc})") from None
+    tokenizer = _load_tokenizer(dataclasses.replace(entry, class_name="Qwen2Tokenizer"))
+    return processor_cls(image_processor=image_processor, tokenizer=tokenizer)
+
+
 def _load_scheduler(entry: ComponentEntry) -> Any:
     config = read_config(entry, "scheduler_config.json")
     try:
@@ -221,7 +329,7 @@ def _check_components(index: PipelineIndex, family: DiffusersFamily) -> dict[str
                 f"supported with {slot.library} {' or '.join(slot.classes)}",
             )
         module = LIBRARIES[slot.library]
-        if slot.kind != "tokenizer" and not hasattr(module, entry.class_name):
+        if slot.kind not in ("tokenizer", "processor") and not hasattr(module, entry.class_name):
             raise CheckpointError(
                 index.path,
                 f"component {name!r} needs {entry.class_name}, which the installed "
@@ -412,6 +520,8 @@ def preflight_family_checkpoint(family: DiffusersFamily, directory: Path) -> Pre
             models[slot_name] = preflight(entry, cls)
         elif slot.kind == "tokenizer":
             host_components[slot_name] = _load_tokenizer(entry)
+        elif slot.kind == "processor":
+            host_components[slot_name] = _load_processor(entry)
         else:
             host_components[slot_name] = _load_scheduler(entry)
     settings = {name: index.settings.get(name) for name in family.settings}

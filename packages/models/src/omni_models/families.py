@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from omni_models.parallel import ParallelState
     from omni_models.step_cache_blocks import JobStepCache, TransformerBlockCache
 
-ComponentKind = Literal["model", "tokenizer", "scheduler"]
+ComponentKind = Literal["model", "tokenizer", "scheduler", "processor"]
 FAMILY_ACCEPTS = (
     "prompt",
     "negative_prompt",
@@ -192,31 +192,44 @@ class PromptConditioning:
 
 @dataclass(eq=False)
 class ReferenceConditioning:
-    """The input images of one edit request, shared by all its jobs (``omni_models.backends.flux_kontext``).
+    """The input images of one edit request, shared by all its jobs (``omni_models.backends.flux_kontext``,
+    ``omni_models.backends.qwen_image_edit``).
 
-    ``pixels`` is the preprocessed image the VAE encodes (``[1, 3, H, W]`` in [-1, 1], CPU; set by ``prepare``,
-    dropped once encoded); ``latents`` its packed VAE latents ``[S_ref, C]`` and ``ids`` their position ids
-    ``[S_ref, 3]`` on the device (set by ``start``, freed by ``release``). ``key`` tells which references can share
-    a forward (the same token grid, hence the same ids).
+    ``pixels`` are the preprocessed images the VAE encodes (each ``[1, 3, H, W]`` or ``[1, 3, 1, H, W]`` in [-1, 1],
+    CPU; set by ``prepare``, dropped once encoded); ``latent_shapes`` each image's latent (height, width);
+    ``latents`` their packed VAE latents ``[S_ref, C]`` (concatenated) and ``ids`` their position ids (families
+    with explicit ids) on the device (set by ``start``, freed by ``release``). ``key`` tells which references can
+    share a forward (the same token grids). A family whose text encoder also reads the images (Qwen-Image-Edit's
+    vision-language encoder) keeps its host inputs in ``vision_inputs`` and the encoder's image features, computed
+    once in ``start`` and read by every prompt of the request (cond and uncond), in ``vision_features``.
     """
 
-    pixels: Tensor | None
-    latent_height: int
-    latent_width: int
+    pixels: Sequence[Tensor] | None
+    latent_shapes: tuple[tuple[int, int], ...]
     latents: Tensor | None = None
     ids: Tensor | None = None
+    vision_inputs: Any = None
+    vision_features: Any = None
 
     @property
     def encoded(self) -> bool:
         return self.latents is not None
 
     @property
-    def num_tokens(self) -> int:
-        return (self.latent_height // 2) * (self.latent_width // 2)
+    def conditions_text(self) -> bool:
+        """The prompt embeddings depend on the images (encoded with them, never from the prompt cache)."""
+        return self.vision_inputs is not None
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.latent_height, self.latent_width
+    def num_tokens(self) -> int:
+        return sum((h // 2) * (w // 2) for h, w in self.latent_shapes)
+
+    @property
+    def key(self) -> tuple[tuple[int, int], ...]:
+        return self.latent_shapes
+
+    def release(self) -> None:
+        self.pixels = self.latents = self.ids = self.vision_inputs = self.vision_features = None
 
 
 @dataclass(eq=False)
@@ -255,6 +268,11 @@ class FamilyJob:
         return self.conditioning.negative_prompt is not None
 
     @property
+    def forward_rows(self) -> int:
+        """Rows this job puts in a transformer forward: 2 under true CFG (cond, uncond), else 1."""
+        return 2 if self.guided else 1
+
+    @property
     def num_rows(self) -> int:
         """Rows of a forward's row budget: 2 under true CFG, else 1; an edit row counts as many rows as its
         sequence (output + reference tokens) is a multiple of the output's, rounded up."""
@@ -269,7 +287,7 @@ class FamilyJob:
         return self.request.height, self.request.width
 
     @property
-    def batch_key(self) -> tuple[int, int, tuple[int, int] | None]:
+    def batch_key(self) -> tuple[int, int, tuple[tuple[int, int], ...] | None]:
         """Jobs with equal keys share one transformer forward (the same sequence layout)."""
         return self.request.height, self.request.width, None if self.reference is None else self.reference.key
 
@@ -418,6 +436,10 @@ class DiffusersBackend:
         """Fill ``reference.latents`` and ``reference.ids`` (the edit families' VAE encode)."""
         raise NotImplementedError(f"the {self.family.name} family takes no input images")
 
+    def encode_with_reference(self, prompt: str, reference: ReferenceConditioning) -> TextEmbedding:
+        """A prompt encoded with the request's images (families whose text encoder reads them)."""
+        raise NotImplementedError(f"the {self.family.name} family encodes prompts without images")
+
 
 def euler_step(latents: Tensor, velocity: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
     """diffusers' flow-matching Euler step with its precision: state in float32, ``dt * v`` in v's dtype."""
@@ -499,7 +521,10 @@ class FamilyPipeline:
         from omni_models.step_cache_blocks import JobStepCache
 
         return JobStepCache.create(
-            job.request.cache, num_blocks=self.info.transformer_blocks, num_steps=job.num_steps, num_rows=job.num_rows
+            job.request.cache,
+            num_blocks=self.info.transformer_blocks,
+            num_steps=job.num_steps,
+            num_rows=job.forward_rows,
         )
 
     def step_cache_bytes(self, job: FamilyJob) -> int:
@@ -514,7 +539,9 @@ class FamilyPipeline:
         latent_h, latent_w = self.backend.latent_size(*job.size)
         image_tokens = (latent_h // 2) * (latent_w // 2)
         text_tokens = self.info.image.max_prompt_tokens
-        streams = [(image_tokens * width, text_tokens * width)] * job.num_rows
+        if job.reference is not None:
+            image_tokens += job.reference.num_tokens  # an edit row's image stream holds its reference tokens too
+        streams = [(image_tokens * width, text_tokens * width)] * job.forward_rows
         return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     def _adapter(self, name: str | None) -> LoRAAdapter | None:
@@ -544,10 +571,17 @@ class FamilyPipeline:
             return encoded[text]
 
         for job in jobs:
-            if job.reference is not None and not job.reference.encoded:
-                self.backend.encode_reference(job.reference)
+            reference = job.reference
+            if reference is not None and not reference.encoded:
+                self.backend.encode_reference(reference)
             conditioning = job.conditioning
             if conditioning.encoded:
+                continue
+            if reference is not None and reference.conditions_text:
+                # The images are part of the prompt: encoded with them (the image features computed once above).
+                conditioning.cond = self.backend.encode_with_reference(conditioning.prompt, reference)
+                if conditioning.negative_prompt is not None:
+                    conditioning.uncond = self.backend.encode_with_reference(conditioning.negative_prompt, reference)
                 continue
             conditioning.cond = encode(conditioning.prompt)
             if conditioning.negative_prompt is not None:
@@ -603,8 +637,8 @@ class FamilyPipeline:
         if self.lora is None:
             output = self._forward(rows, caches, height, width)
         else:
-            adapters = [job.lora for job in group for _ in range(job.num_rows)]
-            scales = [job.request.lora_scale for job in group for _ in range(job.num_rows)]
+            adapters = [job.lora for job in group for _ in range(job.forward_rows)]
+            scales = [job.request.lora_scale for job in group for _ in range(job.forward_rows)]
             with self.lora.rows(adapters, scales):
                 output = self._forward(rows, caches, height, width)
         velocities = iter(output)
@@ -656,7 +690,7 @@ class FamilyPipeline:
         for job in jobs:
             job.conditioning.cond = job.conditioning.uncond = None
             if job.reference is not None:
-                job.reference.pixels = job.reference.latents = job.reference.ids = None
+                job.reference.release()
             if job.step_cache is not None:
                 job.step_cache.release()
             job.lora = None

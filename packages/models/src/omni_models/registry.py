@@ -59,6 +59,10 @@ KINDS: tuple[ModelKind, ...] = (
     ModelKind("flux", "omni_models.backends.flux", pipeline_class="FluxPipeline"),
     ModelKind("flux-kontext", "omni_models.backends.flux_kontext", pipeline_class="FluxKontextPipeline"),
     ModelKind("qwen-image", "omni_models.backends.qwen_image", pipeline_class="QwenImagePipeline"),
+    ModelKind(
+        "qwen-image-edit-plus", "omni_models.backends.qwen_image_edit", pipeline_class="QwenImageEditPlusPipeline"
+    ),
+    ModelKind("qwen-image-edit", "omni_models.backends.qwen_image_edit", pipeline_class="QwenImageEditPipeline"),
     ModelKind("wan", "omni_models.backends.wan", pipeline_class="WanPipeline"),
 )
 

@@ -186,6 +186,12 @@ def resolve_request(
         raise InvalidRequestError(
             f"got {len(images)} input images; {info.variant} takes at most {limits.max_input_images}", param="image"
         )
+    if len(images) < limits.min_input_images:
+        raise InvalidRequestError(
+            f"{info.variant} edits images: image is required (at least {limits.min_input_images} input image; "
+            "send it to /v1/images/edits)",
+            param="image",
+        )
     if not all(isinstance(image, InputImage) for image in images):
         raise InvalidRequestError("images must be InputImage values (omni_models.decode_input_image)", param="image")
     default_height, default_width = limits.default_size

@@ -49,6 +49,8 @@ class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_prompt_tokens: int
     # Input images an edit request may carry (``image`` in ``ModelInfo.accepts``); 0: the model does no editing.
     max_input_images: int = 0
+    # Input images an edit request must carry (Qwen-Image-Edit: 1; it does no text to image); 0: none needed.
+    min_input_images: int = 0
 
     @property
     def default_size(self) -> tuple[int, int]:

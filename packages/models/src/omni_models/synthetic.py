@@ -277,6 +277,16 @@ def flux_components(
     return {**built, "tokenizer": clip, "tokenizer_2": t5, "scheduler": scheduler}
 
 
+# Qwen2.5-VL's vision special tokens and the config fields naming their ids.
+VISION_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
+
+
 def qwen_image_components(
     size: Size = "tiny",
     *,
@@ -288,15 +298,10 @@ def qwen_image_components(
 ) -> dict[str, Any]:
     """``QwenImagePipeline`` constructor arguments with random weights."""
     tokenizer = qwen2_tokenizer(words)
+    # The vision tokens' ids come right after the vocabulary, in VISION_TOKENS' order.
+    tokenizer.add_tokens(list(VISION_TOKENS.values()), special_tokens=True)
+    specials = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKENS.items()}
     vocab_size = len(tokenizer)
-    specials = {
-        "vision_start_token_id": vocab_size,
-        "vision_end_token_id": vocab_size + 1,
-        "vision_token_id": vocab_size + 2,
-        "image_token_id": vocab_size + 3,
-        "video_token_id": vocab_size + 4,
-    }
-    vocab_size += 5
     token_ids = {
         "bos_token_id": None,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -481,10 +486,39 @@ def wan_components(
     }
 
 
+def qwen_image_edit_components(
+    size: Size = "tiny",
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    text_encoder_layers: int = 2,
+    words: Iterable[str] = (),
+    seed: int = 0,
+    native_side: int | None = None,
+) -> dict[str, Any]:
+    """``QwenImageEditPlusPipeline`` (and ``QwenImageEditPipeline``) constructor arguments with random weights:
+    Qwen-Image's, plus the Qwen2-VL processor (Qwen2-VL's image processor defaults over the same tokenizer; built
+    without torchvision). ``native_side`` (default: 64 for ``"tiny"``, the published 1024 for ``"full"``) is written
+    into the VAE config as ``sample_size``: the references are encoded at the VAE area ``native_side²`` (diffusers'
+    1024² scaled), so a tiny checkpoint's stay a few tokens."""
+    if native_side is None and size == "tiny":
+        native_side = 64
+    from omni_models.diffusers_adapter import qwen2_vl_processor
+
+    components = qwen_image_components(
+        size, device=device, dtype=dtype, text_encoder_layers=text_encoder_layers, words=words, seed=seed
+    )
+    if native_side is not None:
+        components["vae"].register_to_config(sample_size=native_side)  # read by omni as the native side
+    return {**components, "processor": qwen2_vl_processor(components["tokenizer"])}
+
+
 PIPELINE_CLASSES = {
     "flux": "FluxPipeline",
     "flux-kontext": "FluxKontextPipeline",
     "qwen-image": "QwenImagePipeline",
+    "qwen-image-edit-plus": "QwenImageEditPlusPipeline",
+    "qwen-image-edit": "QwenImageEditPipeline",
     "wan": "WanPipeline",
 }
 
@@ -500,7 +534,16 @@ def save_checkpoint(
     """Write ``components`` as a diffusers-layout checkpoint (``model_index.json`` and one folder per component)."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     diffusers_pipeline(family, components).save_pretrained(str(directory), **kwargs)
-    json.loads((directory / "model_index.json").read_text())  # written and well-formed
+    index = json.loads((directory / "model_index.json").read_text())  # written and well-formed
+    if "processor" in index:
+        # The torchvision-free processor classes are transformers' Qwen2-VL ones by name: record them so, as the
+        # published checkpoints do (transformers' own Qwen2VLProcessor reads the folder where torchvision loads).
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        (directory / "model_index.json").write_text(json.dumps(index, indent=2))
+        config_path = directory / "processor" / "processor_config.json"
+        config = json.loads(config_path.read_text())
+        config["processor_class"] = "Qwen2VLProcessor"
+        config_path.write_text(json.dumps(config, indent=2))
     return directory
 
 

@@ -12,13 +12,17 @@ animation fields, which it has no mechanism for). Each image is decoded and chec
 the generations route's (``ImagesResponse``: ``created``, ``data[].b64_json``, ``output_format``, ``size``).
 
 Form values are text, so the numbers are parsed here; ``negative_prompt`` given (even empty) is that text, omitted
-is the model's default (a form has no null).
+is the model's default (a form has no null). omni's extensions are the generations route's: ``cache`` (a step-cache
+preset name or a JSON object of knobs; the response's ``usage.step_cache`` says what it did), LoRA by ``model`` (a
+served adapter's name) with ``lora_scale``; a model that cannot is refused by the one request check, naming the
+field.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import math
 import re
 import time
@@ -39,7 +43,7 @@ from omni_models.limits import (
     MAX_SEED,
 )
 from omni_server.errors import invalid_field
-from omni_server.images import encode_image, parse_size
+from omni_server.images import encode_image, image_usage, parse_size
 from omni_server.schemas import ImageData, ImageGenerationResponse
 
 EDITS_PATH = "/v1/images/edits"
@@ -86,6 +90,29 @@ def _size(name: str, text: str) -> str:
     return text
 
 
+def _cache(name: str, text: str) -> str | dict[str, Any]:
+    """A step-cache preset name, or a JSON object of knobs (what the generations route's ``cache`` takes)."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise invalid_field(name, f"cache must be a preset name or a JSON object of knobs; {exc}") from None
+    if not isinstance(value, dict):
+        raise invalid_field(name, "cache must be a preset name or a JSON object of knobs")
+    return value
+
+
+def _lora_scale(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise invalid_field(name, f"lora_scale must be a finite number, got {text[:40]!r}")
+    return value  # its range is the request rules' (resolve_request)
+
+
 def _refused(why: str) -> Callable[[str, str], Any]:
     def parse(name: str, text: str) -> Any:
         raise invalid_field(name, f"{name} is not supported: {why}")
@@ -121,6 +148,8 @@ EDIT_FIELDS: dict[str, Callable[[str, str], Any]] = {
     "guidance_scale": _scale,
     "true_cfg_scale": _scale,
     "seed": _integer(0, MAX_SEED),
+    "cache": _cache,
+    "lora_scale": _lora_scale,
 }
 
 
@@ -182,7 +211,7 @@ def edits_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an impo
     )
     async def edit_images(request: Request) -> Response:
         fields, files = await read_edit_form(request)
-        state.check_model(fields.get("model"))
+        adapter = state.check_model(fields.get("model"))  # a LoRA adapter's name selects it, as on generations
         for name in ("prompt", "negative_prompt"):
             state.check_text(name, fields.get(name))
         info = state.info()
@@ -219,6 +248,9 @@ def edits_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an impo
                 true_cfg_scale=fields.get("true_cfg_scale"),
                 seed=fields.get("seed"),
                 images=tuple(images),
+                cache=fields.get("cache"),
+                lora=adapter,
+                lora_scale=fields.get("lora_scale"),
             )
         )
         result = await state.run(resolved, request)
@@ -229,7 +261,11 @@ def edits_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an impo
             for png in result.outputs
         ]
         response = ImageGenerationResponse(
-            created=int(time.time()), data=data, output_format=output_format, size=f"{resolved.width}x{resolved.height}"
+            created=int(time.time()),
+            data=data,
+            output_format=output_format,
+            size=f"{resolved.width}x{resolved.height}",
+            usage=image_usage(result),
         )
         return JSONResponse(response.model_dump(exclude_none=True))
 

@@ -168,7 +168,19 @@ def warmup_request(info: ModelInfo, sequence_parallel_size: int = 1) -> Generati
         height = width = min(rule.min_side * sequence_parallel_size, rule.max_side)
     word = info.vocabulary[0] if info.vocabulary else "warm up"
     frames = {"num_frames": 1} if info.video is not None else {}  # a video model: its shortest clip
-    return GenerationRequest(prompt=word, height=height, width=width, num_inference_steps=2, seed=0, **frames)
+    return GenerationRequest(
+        prompt=word, height=height, width=width, num_inference_steps=2, seed=0, images=_warmup_images(info), **frames
+    )
+
+
+def _warmup_images(info: ModelInfo) -> tuple:
+    """The input images an edit-only model needs in a warm-up request: grey, at its smallest size."""
+    from omni_models import InputImage
+
+    assert info.image is not None
+    height, width = info.image.smallest_size()
+    grey = InputImage(width=width, height=height, pixels=bytes([128]) * (width * height * 3))
+    return (grey,) * info.image.min_input_images
 
 
 def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[GenerationRequest]:
@@ -194,6 +206,7 @@ def compiled_warmup_requests(info: ModelInfo, config: ServerConfig) -> list[Gene
             seed=0,
             guidance_scale=1.0 if rows == 1 else None,
             **frames,
+            images=_warmup_images(info),
         )
         for rows, (height, width) in warmup_shapes(info.image.sizes, max_rows=max_rows)
     ]

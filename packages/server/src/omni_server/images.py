@@ -42,6 +42,22 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     return height, width
 
 
+def image_usage(result) -> ImageUsage | None:  # noqa: ANN001 - protocol.RequestFinished
+    """What each image's step cache did (``usage.step_cache``), or None when no image had one."""
+    if not result.step_cache:
+        return None
+    return ImageUsage(
+        step_cache=[
+            StepCacheUsage(
+                **msgspec.structs.asdict(stats),
+                computed_fraction=stats.computed_fraction,
+                block_fraction=stats.block_fraction,
+            )
+            for stats in result.step_cache
+        ]
+    )
+
+
 def images_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an import cycle otherwise)
     router = APIRouter()
 
@@ -77,24 +93,12 @@ def images_router(state) -> APIRouter:  # noqa: ANN001 - api.ServerState (an imp
             )
             for png in result.outputs
         ]
-        usage = None
-        if result.step_cache:
-            usage = ImageUsage(
-                step_cache=[
-                    StepCacheUsage(
-                        **msgspec.structs.asdict(stats),
-                        computed_fraction=stats.computed_fraction,
-                        block_fraction=stats.block_fraction,
-                    )
-                    for stats in result.step_cache
-                ]
-            )
         response = ImageGenerationResponse(
             created=int(time.time()),
             data=data,
             output_format=output_format,
             size=f"{resolved.width}x{resolved.height}",
-            usage=usage,
+            usage=image_usage(result),
         )
         return JSONResponse(response.model_dump(exclude_none=True))
 

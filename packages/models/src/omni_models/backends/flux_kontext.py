@@ -146,16 +146,16 @@ class FluxKontextBackend(flux.FluxBackend):
         processor = self.pipeline.image_processor
         pixels = processor.preprocess(processor.resize(canvas, height, width), height, width)
         return ReferenceConditioning(
-            pixels=pixels, latent_height=height // self.vae_scale_factor, latent_width=width // self.vae_scale_factor
+            pixels=[pixels], latent_shapes=((height // self.vae_scale_factor, width // self.vae_scale_factor),)
         )
 
     def encode_reference(self, reference: ReferenceConditioning) -> None:
         assert reference.pixels is not None
-        pixels = reference.pixels.to(device=self.device, dtype=self.dtype)
+        pixels = reference.pixels[0].to(device=self.device, dtype=self.dtype)
         # FluxKontextPipeline's own encode: the latent distribution's mode, then (z - shift) * scale.
         latents = self.pipeline._encode_vae_image(image=pixels, generator=None)
         reference.latents = pack_latents(latents)[0]
-        ids = flux._image_ids(reference.latent_height, reference.latent_width, self.device, self.dtype).clone()
+        ids = flux._image_ids(*reference.latent_shapes[0], self.device, self.dtype).clone()
         ids[..., 0] = 1
         reference.ids = ids
         reference.pixels = None
@@ -194,3 +194,9 @@ def load(directory: Path, name: str, options: Any) -> FamilyPipeline:
     from omni_models.diffusers_adapter import load_family
 
     return load_family(FAMILY, directory, name, options)
+
+
+def inspect_lora(directory: Path, path: Path, *, max_rank: int) -> Any:
+    from omni_models.lora_files import inspect_family_lora
+
+    return inspect_family_lora(FAMILY, directory, path, max_rank=max_rank)

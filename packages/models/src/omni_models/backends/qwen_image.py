@@ -49,7 +49,9 @@ def info(
     settings: Mapping[str, Any] | None = None,
 ) -> ModelInfo:
     factor = vae_scale_factor(vae_config)
-    multiple, side = factor * 2, DEFAULT_SAMPLE_SIZE * factor
+    # The native side: QwenImagePipeline's default (128 latents), or a VAE config's ``sample_size`` where it has one
+    # (not a field of AutoencoderKLQwenImage: omni's tiny edit checkpoints set it so their references stay small).
+    multiple, side = factor * 2, int(vae_config.get("sample_size") or DEFAULT_SAMPLE_SIZE * factor)
     return ModelInfo(
         name=name,
         family="qwen-image",
