@@ -77,8 +77,10 @@ for s in "${steps[@]}"; do
     # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
     real_engine) step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
     # Issue 27: LoRA per request at FLUX.1-dev size, rank 64 (carry diffusers, peft and msgspec in .whl/): compiled
-    # as served, then eager unless the compiled mode ended past 200 s; the 4 x 0.5 GB adapters go to /tmp.
-    lora) step lora 300 python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters --deadline 200 ;;
+    # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s); the 4 x 0.5 GB adapters go
+    # to /tmp.
+    lora) step lora 300 python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters \
+            --deadline "${LORA_DEADLINE:-200}" ;;
     # Issue 26: the step cache's wall time, FLUX.1-dev size, 1024^2, 28 steps, eager; then compiled when 90 s of
     # CALL_BUDGET (default 400) are left after the eager configs.
     step_cache) step step_cache 200 python3 benchmarks/real_models.py --family flux --baseline none --phases step_cache \
