@@ -15,7 +15,10 @@ one run, each against its baseline:
 - ``compiled`` (``--modes``; first by default, as it is what ``omni-server`` serves on CUDA): the same with every
   block compiled as serving compiles it (``omni_models.compilation.compile_modules`` with the default
   ``CompileSettings``: inductor, dynamic shapes), and the graphs dynamo compiles while the rows switch between
-  adapters and mixes: 0 once warm;
+  adapters and mixes: 0 once warm. The LoRA hooks are installed before the blocks compile (as ``omni_models.load``
+  does), and the base is the forward outside ``runtime.rows()``: dynamo does not guard on module hooks, so hooks
+  added after the first compiled call never run (the 2026-12-02c run measured exactly that, see RESULTS.md);
+  ``adapter_relative_change_of_output`` (> 0, equal across modes) shows that the adapter reached the output;
 - adapter load: ``LoRARuntime.register`` (read, convert, check, host copy; the files' pages are dropped from the
   page cache first, so the read is from the disk) and the first slot fill (host to device).
 
@@ -308,19 +311,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch._dynamo.reset()
         graphs_at_start = unique_graphs()
         mode_start = time.perf_counter()
-        if mode == "compiled":
-            compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
         with torch.no_grad():
-            base = {}
-            first_call_s = {}
-            for b in (1, 4):
-                start = time.perf_counter()
-                forward(b)()
-                synchronize(device)
-                first_call_s[b] = time.perf_counter() - start
-                base[b] = timed(forward(b), device, warmup=warmup, iters=args.iters)
-            base_graphs = unique_graphs() - graphs_at_start
+
+            def measure_base() -> tuple[dict[int, Any], dict[int, float]]:
+                base, first_call_s = {}, {}
+                for b in (1, 4):
+                    start = time.perf_counter()
+                    forward(b)()
+                    synchronize(device)
+                    first_call_s[b] = time.perf_counter() - start
+                    base[b] = timed(forward(b), device, warmup=warmup, iters=args.iters)
+                return base, first_call_s
+
+            if mode == "eager":  # the base without any hook (eager runs hooks added later)
+                base, first_call_s = measure_base()
             targets = {n: (m.in_features, m.out_features) for n, m in lora_targets(transformer).items()}
+            # The hooks exist before anything compiles, as omni_models.load orders it: dynamo does not guard on
+            # module hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so hooks added after a block's first
+            # compiled call would silently never run.
             runtime = LoRARuntime(
                 transformer,
                 lambda path: read_lora(FAMILY, path, targets, max_rank=args.rank, dtype=dtype),
@@ -328,6 +336,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 device=device,
                 dtype=dtype,
             )
+            if mode == "compiled":
+                compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
+                # The base: forwards outside ``runtime.rows()``, where every hook returns the linear's output
+                # as it is, which dynamo traces away (the graph of a transformer without LoRA).
+                base, first_call_s = measure_base()
+            base_graphs = unique_graphs() - graphs_at_start
             results["adapter_reads_from_disk"] = evict_from_page_cache(files)
             adapters = []
             for i, file in enumerate(files):
@@ -363,6 +377,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             warm_graphs = unique_graphs()
             warm_s = time.perf_counter() - mode_start
+            # The adapter reaches the output: its relative change of the batch-1 output (the same transformer seed,
+            # adapters and inputs in every mode, so the modes' figures should agree; 0 would mean not applied).
+            base_out = transformer(**batches[1])[0].float()
+            with runtime.rows([a], [1.0]):
+                lora_out = transformer(**batches[1])[0].float()
+            adapter_change = float((lora_out - base_out).norm() / base_out.norm())
+            del base_out, lora_out
             # Switching and mixing once everything is warm: every row table a new tensor, slots rewritten in place.
             for rows in ([b], [None], [c], [d], [a, None, b, c], [d, d, None, a], [None] * 4):
                 with_rows(len(rows), rows)()
@@ -382,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "one_adapter_x4_vs_base": timings["one_adapter_x4"]["median_ms"] / base[4]["median_ms"],
             },
             "graphs_compiled_while_warming": warm_graphs - graphs_before,
+            "adapter_relative_change_of_output": adapter_change,
             "graphs_compiled_by_switches": recompiles,
             "loads": loads,
             "slot_mb": sum(s.nbytes for s in runtime.targets.values()) / 2**20,
@@ -395,7 +417,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{mode}: base {base[1]['median_ms']:.2f} ms (batch 1), {base[4]['median_ms']:.2f} ms (batch 4); "
             f"one adapter {r['one_adapter_vs_base']:.3f}x (target <= 1.10), four adapters "
             f"{r['four_adapters_vs_base']:.3f}x (target <= 1.15), no adapter {r['no_adapter_vs_base']:.3f}x; "
-            f"graphs compiled by switches: {recompiles} (target 0); "
+            f"graphs compiled by switches: {recompiles} (target 0); adapter changes the output by "
+            f"{adapter_change:.2e} (relative; 0 = not applied); "
             f"register {statistics.mean(loads['register_s']):.3f} s,"
             f" slot fill {statistics.mean(fill[1:] or fill):.4f} s per adapter;"
             f" mode took {time.perf_counter() - mode_start:.0f} s"
