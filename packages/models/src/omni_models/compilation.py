@@ -84,18 +84,17 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` as a compiled block receives it: a tensor laid out contiguously becomes a plain alias (not a view)
-    with contiguous strides, without a copy; a tuple is done element by element; anything else stays."""
-    import torch
-
-    if isinstance(value, tuple):
+    """``value`` as a compiled block receives it: a view laid out contiguously becomes a plain alias (not a view)
+    with contiguous strides, without a copy; a tuple is done element by element; anything else (a tensor that is
+    no view: an op's fresh output, or a strided view) stays, at the cost of one attribute read."""
+    if type(value) is tuple:
         return tuple(_plain(item) for item in value)
-    if not isinstance(value, torch.Tensor) or not value.is_contiguous():
+    if getattr(value, "_base", None) is None or not value.is_contiguous():
         return value
     strides = _contiguous_strides(value.shape)
     if value.stride() != strides:  # differs only along size-1 dimensions (a slice of a batch of one row)
         value = value.as_strided(value.shape, strides)
-    return value.detach() if value._base is not None else value
+    return value.detach()
 
 
 def _plain_inputs(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
