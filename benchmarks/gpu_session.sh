@@ -5,22 +5,37 @@
 #   bash benchmarks/gpu_session.sh env dit_step modulation fp8_gemm paged_attention tests_hopper
 # Each step has its own time limit so one hang cannot eat the call; logs and JSON land in $OUT/gpu/, packed at
 # the end into $OUT/gpu_results.tar.gz (the device tool returns at most 8 files).
+# CALL_BUDGET=SECONDS caps every step's limit at what is left of that budget (from the script's start) less 10 s,
+# skips the steps that would get under 20 s, and packs the results after every step, so that a call cut short
+# still brings back what finished. GPU_RESULTS=DIR keeps the logs outside $OUT (only the packed file and the
+# summary come back then, whatever the number of logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=packages/diffusion-kv/src:packages/dlo-offload/src:packages/fp8-cache/src:packages/cfg-pairing/src:packages/models/src:packages/server/src
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu_out}
-R=$OUT/gpu
-mkdir -p "$R"
+R=${GPU_RESULTS:-$OUT/gpu}
+mkdir -p "$R" "$OUT"
+
+pack() {
+  tar -czf "$OUT/gpu_results.tar.gz" -C "$(dirname "$R")" "$(basename "$R")"
+  cp "$R/summary.txt" "$OUT/summary.txt" 2>/dev/null
+}
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ -n "${CALL_BUDGET:-}" ]; then
+    local left=$((CALL_BUDGET - SECONDS - 10))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then echo "$name: skipped (${left}s left of CALL_BUDGET)" | tee -a "$R/summary.txt"; return; fi
+  fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s) ==="
   timeout --signal=KILL "$limit" "$@" >"$R/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$R/summary.txt"
   tail -n 40 "$R/$name.log"
+  [ -n "${CALL_BUDGET:-}" ] && pack
 }
 
 install_carried_wheels() {
@@ -28,8 +43,10 @@ install_carried_wheels() {
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
 
-# Carried wheels (.whl/: msgspec for fp8_cache's manifest, the web stack, diffusers) go on the path of every step.
+# Carried wheels (.whl/: msgspec for fp8_cache's manifest, the web stack, diffusers) go on the path of every step,
+# and so does every zip there (a stripped diffusers: benchmarks/README.md, "Compiled serving").
 if [ -d .whl ]; then install_carried_wheels; export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
+for z in .whl/*.zip; do [ -e "$z" ] && export PYTHONPATH=$PWD/$z:$PYTHONPATH; done
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
 # A snapshot (benchmarks/README.md) names its commit in COMMIT; the device copy of a working tree has no .git.
@@ -59,8 +76,15 @@ for s in "${steps[@]}"; do
     real_flux) step real_flux 560 python3 benchmarks/real_models.py --family flux --out "$R" ;;
     # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
     real_engine) step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
-    # Issue 27: LoRA per request at FLUX.1-dev size, rank 64 (carry diffusers, peft and accelerate wheels in .whl/).
-    lora) step lora 560 python3 benchmarks/lora.py --out "$R" ;;
+    # Issue 27: LoRA per request at FLUX.1-dev size, rank 64 (carry diffusers, peft and msgspec in .whl/): compiled
+    # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s); the 4 x 0.5 GB adapters go
+    # to /tmp.
+    lora) step lora 300 python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters \
+            --deadline "${LORA_DEADLINE:-200}" ;;
+    # Issue 26: the step cache's wall time, FLUX.1-dev size, 1024^2, 28 steps, eager; then compiled when 90 s of
+    # CALL_BUDGET (default 400) are left after the eager configs.
+    step_cache) step step_cache 200 python3 benchmarks/real_models.py --family flux --baseline none --phases step_cache \
+                  --repeats 1 --step-cache-repeats 5 --step-cache-compiled --deadline $(( ${CALL_BUDGET:-400} - SECONDS - 90 )) --out "$R" ;;
     real_qwen) step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
     # Shorter re-measurements of omni's own phases (no diffusers run for FLUX; Qwen keeps diffusers eager and
     # compiled as the baseline for the ragged-attention change), FP8 online so no 24-41 GB checkpoint is written.
@@ -84,5 +108,4 @@ for s in "${steps[@]}"; do
     *) echo "unknown step $s" ;;
   esac
 done
-tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" gpu
-cp "$R/summary.txt" "$OUT/summary.txt"
+pack

@@ -12,15 +12,26 @@ one run, each against its baseline:
 - ``one_adapter``: batch 1, its row on adapter A, vs the base transformer (no LoRA hooks) at batch 1: <= 1.10x;
 - ``four_adapters``: batch 4, rows on A, B, C, D (four slots), vs the base at batch 4: <= 1.15x;
 - ``no_adapter``: LoRA on, no row with an adapter (what the hooks cost alone), batch 1;
-- ``--compile``: the same with every block compiled (``FamilyPipeline.compile_transformer``'s regional
-  compilation), and the graphs dynamo compiles while the rows switch between adapters and mixes: 0 once warm;
-- adapter load: ``LoRARuntime.register`` (read, convert, check, host copy) and the first slot fill (host to device).
+- ``compiled`` (``--modes``; first by default, as it is what ``omni-server`` serves on CUDA): the same with every
+  block compiled as serving compiles it (``omni_models.compilation.compile_modules`` with the default
+  ``CompileSettings``: inductor, dynamic shapes), and the graphs dynamo compiles while the rows switch between
+  adapters and mixes: 0 once warm. The LoRA hooks are installed before the blocks compile (as ``omni_models.load``
+  does), and the base is the forward outside ``runtime.rows()``: dynamo does not guard on module hooks, so hooks
+  added after the first compiled call never run (the 2026-12-02c run measured exactly that, see RESULTS.md);
+  ``adapter_relative_change_of_output`` (> 0, equal across modes) shows that the adapter reached the output;
+- adapter load: ``LoRARuntime.register`` (read, convert, check, host copy; the files' pages are dropped from the
+  page cache first, so the read is from the disk) and the first slot fill (host to device).
+
+Every figure is ``--iters`` timed forwards (each one repeat) after a warm-up: median and [min, max]. Each mode
+builds a fresh transformer (same seed) and ``lora.json`` is rewritten after each mode, so a run cut by its time
+limit keeps the modes it finished; ``--deadline`` skips the modes that would start after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,7 +76,8 @@ def timed(fn, device: torch.device, *, warmup: int, iters: int) -> dict[str, flo
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "iters": iters}
+    ms = [1e3 * t for t in times]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "iters": iters, "ms": ms}
 
 
 def build_transformer(smoke: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -129,6 +141,21 @@ def write_adapters(transformer, directory: Path, count: int, rank: int) -> list[
     return files
 
 
+def evict_from_page_cache(files: list[Path]) -> bool:
+    """Write ``files`` out and drop their pages from the page cache (``posix_fadvise(DONTNEED)``), so that the next
+    read comes from the disk; False where the OS has no such call."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
 def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -136,9 +163,86 @@ def unique_graphs() -> int:
 
 
 def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
-    for path in ("transformer_blocks", "single_transformer_blocks"):
-        for block in transformer.get_submodule(path):
-            block.compile(backend=backend)
+    """Regional compilation as ``omni-server`` serves (``FamilyPipeline.compile``'s blocks, default settings but
+    the backend)."""
+    from omni_models.compilation import CompileSettings, compile_modules
+
+    blocks = [
+        b for path in ("transformer_blocks", "single_transformer_blocks") for b in transformer.get_submodule(path)
+    ]
+    compile_modules(blocks, CompileSettings(backend=backend))
+
+
+# FLUX.1-dev's target linears at 1024^2 (tokens, in, out): image-stream Q/K/V and the MLP of a double block, the
+# text stream, and a single block's fused projection.
+KERNEL_SHAPES = ((4096, 3072, 3072), (4096, 3072, 12288), (4096, 12288, 3072), (512, 3072, 3072), (4608, 15360, 3072))
+
+
+def kernel_check(device: torch.device, dtype: torch.dtype, rank: int) -> list[dict[str, Any]]:
+    """The Triton kernels on the GPU against the torch reference (fresh random inputs, rows on 4 slots and none)
+    and their time beside the base linear's, per FLUX.1-dev target shape (``triton.testing.do_bench`` medians)."""
+    from triton.testing import do_bench
+
+    from omni_models.lora import LoRARows, lora_add
+
+    rows_of = {
+        1: LoRARows(torch.tensor([0], dtype=torch.int32, device=device), torch.ones(1, device=device)),
+        4: LoRARows(
+            torch.tensor([0, 3, -1, 1], dtype=torch.int32, device=device),
+            torch.tensor([1.0, 0.5, 1.0, 1.0], device=device),
+        ),
+    }
+    report = []
+    for tokens, in_features, out_features in KERNEL_SHAPES:
+        weight = torch.randn(out_features, in_features, device=device, dtype=dtype) * in_features**-0.5
+        down = torch.randn(4, rank, in_features, device=device, dtype=dtype) * in_features**-0.5
+        up = torch.randn(4, out_features, rank, device=device, dtype=dtype) * rank**-0.5
+        scaling = torch.tensor([1.0, 0.5, 2.0, 1.0], device=device)
+        for batch, rows in rows_of.items():
+            x = torch.randn(batch, tokens, in_features, device=device, dtype=dtype)
+            y = torch.nn.functional.linear(x, weight)
+            kernel = lora_add(y.clone(), x, down, up, scaling, rows, triton=True)  # in place, on a copy
+            reference = lora_add(
+                y.clone().double(), x.double(), down.double(), up.double(), scaling, rows, triton=False
+            )
+            delta_ref = (reference - y.double()).flatten(1)
+            delta = (kernel.double() - y.double()).flatten(1)
+            error = float((delta - delta_ref).norm() / delta_ref.norm())
+            # The torch reference in the same dtype, for scale: bf16 rounds y + delta alike.
+            same_dtype = lora_add(y.clone(), x, down, up, scaling, rows, triton=False).double() - y.double()
+            torch_error = float((same_dtype.flatten(1) - delta_ref).norm() / delta_ref.norm())
+            untouched = all(torch.equal(kernel[i], y[i]) for i in range(batch) if int(rows.slots[i]) < 0)
+            base_ms = do_bench(lambda x=x: torch.nn.functional.linear(x, weight), return_mode="median")
+            lora_ms = do_bench(
+                lambda x=x, y=y, rows=rows: lora_add(y, x, down, up, scaling, rows, triton=True), return_mode="median"
+            )
+            torch_ms = do_bench(
+                lambda x=x, y=y, rows=rows: lora_add(y, x, down, up, scaling, rows, triton=False), return_mode="median"
+            )
+            report.append(
+                {
+                    "batch": batch,
+                    "tokens": tokens,
+                    "in": in_features,
+                    "out": out_features,
+                    "delta_rel_error_vs_fp64": error,
+                    "torch_same_dtype_rel_error_vs_fp64": torch_error,
+                    "rows_without_adapter_untouched": untouched,
+                    "base_linear_ms": base_ms,
+                    "lora_triton_ms": lora_ms,
+                    "lora_torch_ms": torch_ms,
+                    "triton_over_base_linear": lora_ms / base_ms,
+                }
+            )
+            print(
+                f"kernel b{batch} {tokens}x{in_features}->{out_features}: "
+                f"rel err {error:.2e} (torch {torch_error:.2e}), "
+                f"untouched {untouched}, "
+                f"linear {base_ms:.3f} ms, LoRA triton {lora_ms:.3f} ms ({lora_ms / base_ms:.3f}x), "
+                f"torch {torch_ms:.3f} ms",
+                flush=True,
+            )
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -148,16 +252,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--image-tokens", type=int, default=4096, help="1024x1024 in FLUX.1's 2x2-packed tokens")
     parser.add_argument("--text-tokens", type=int, default=512)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--iters", type=int, default=10, help="timed forwards per figure (each one repeat)")
+    parser.add_argument("--modes", nargs="+", choices=("compiled", "eager"), default=["compiled", "eager"])
+    parser.add_argument("--adapter-dir", type=Path, default=None, help="where the adapters are written (OUT/adapters)")
+    parser.add_argument("--kernel-check", action=argparse.BooleanOptionalAction, default=True, help="CUDA only")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds: start no mode after this")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         args.image_tokens, args.text_tokens, args.iters, args.rank = 16, 16, 3, 8
     args.out.mkdir(parents=True, exist_ok=True)
     from omni_models.backends.flux import FAMILY
-    from omni_models.lora import LoRAOptions, LoRARuntime, lora_targets
+    from omni_models.lora import LoRAOptions, LoRARuntime, lora_targets, padded_rank
     from omni_models.lora_files import read_lora
 
     results: dict[str, Any] = {
@@ -172,23 +280,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def log(message: str) -> None:
         print(message, flush=True)
 
+    if device.type == "cuda" and args.kernel_check:
+        try:
+            results["kernels"] = kernel_check(device, dtype, padded_rank(args.rank))
+        except Exception as error:  # noqa: BLE001 - the step figures below still count; the JSON says what broke
+            results["kernels"] = {"error": repr(error)}
+            log(f"kernel check failed: {error!r}")
+        (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
     transformer = build_transformer(args.smoke, device, dtype)
-    files = write_adapters(transformer, args.out / "adapters", 4, args.rank)
+    start = time.perf_counter()
+    files = write_adapters(transformer, args.adapter_dir or args.out / "adapters", 4, args.rank)
+    results["adapters_written_s"] = time.perf_counter() - start
     results["adapter_file_mb"] = files[0].stat().st_size / 2**20
     batches = {b: inputs(transformer, b, args.image_tokens, args.text_tokens, device, dtype) for b in (1, 4)}
     warmup = 2 if args.smoke else 3
+    log(f"adapters written ({results['adapter_file_mb']:.0f} MB each) at {time.perf_counter() - started:.0f} s")
 
     def forward(batch: int):
         return lambda: transformer(**batches[batch])
 
-    modes = ["eager", "compiled"] if args.compile else ["eager"]
-    for mode in modes:
+    for mode in args.modes:
+        if args.deadline is not None and time.perf_counter() - started > args.deadline:
+            results[mode] = {"skipped": f"past --deadline {args.deadline} s"}
+            log(f"{mode}: skipped (past the deadline)")
+            continue
+        if mode != args.modes[0]:  # a fresh transformer, same seed: nothing compiled or hooked from the last mode
+            del transformer
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            transformer = build_transformer(args.smoke, device, dtype)
         torch._dynamo.reset()
-        if mode == "compiled":
-            compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
+        graphs_at_start = unique_graphs()
+        mode_start = time.perf_counter()
         with torch.no_grad():
-            base = {b: timed(forward(b), device, warmup=warmup, iters=args.iters) for b in (1, 4)}
+
+            def measure_base() -> tuple[dict[int, Any], dict[int, float]]:
+                base, first_call_s = {}, {}
+                for b in (1, 4):
+                    start = time.perf_counter()
+                    forward(b)()
+                    synchronize(device)
+                    first_call_s[b] = time.perf_counter() - start
+                    base[b] = timed(forward(b), device, warmup=warmup, iters=args.iters)
+                return base, first_call_s
+
+            if mode == "eager":  # the base without any hook (eager runs hooks added later)
+                base, first_call_s = measure_base()
             targets = {n: (m.in_features, m.out_features) for n, m in lora_targets(transformer).items()}
+            # The hooks exist before anything compiles, as omni_models.load orders it: dynamo does not guard on
+            # module hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so hooks added after a block's first
+            # compiled call would silently never run.
             runtime = LoRARuntime(
                 transformer,
                 lambda path: read_lora(FAMILY, path, targets, max_rank=args.rank, dtype=dtype),
@@ -196,6 +336,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 device=device,
                 dtype=dtype,
             )
+            if mode == "compiled":
+                compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
+                # The base: forwards outside ``runtime.rows()``, where every hook returns the linear's output
+                # as it is, which dynamo traces away (the graph of a transformer without LoRA).
+                base, first_call_s = measure_base()
+            base_graphs = unique_graphs() - graphs_at_start
+            results["adapter_reads_from_disk"] = evict_from_page_cache(files)
             adapters = []
             for i, file in enumerate(files):
                 adapters.append(runtime.register(f"adapter-{i}", file))
@@ -229,6 +376,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name, (bs, rows) in cases.items()
             }
             warm_graphs = unique_graphs()
+            warm_s = time.perf_counter() - mode_start
+            # The adapter reaches the output: its relative change of the batch-1 output (the same transformer seed,
+            # adapters and inputs in every mode, so the modes' figures should agree; 0 would mean not applied).
+            base_out = transformer(**batches[1])[0].float()
+            with runtime.rows([a], [1.0]):
+                lora_out = transformer(**batches[1])[0].float()
+            adapter_change = float((lora_out - base_out).norm() / base_out.norm())
+            del base_out, lora_out
             # Switching and mixing once everything is warm: every row table a new tensor, slots rewritten in place.
             for rows in ([b], [None], [c], [d], [a, None, b, c], [d, d, None, a], [None] * 4):
                 with_rows(len(rows), rows)()
@@ -237,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runtime.close()
         results[mode] = {
             "base": base,
+            "first_call_s": first_call_s,
+            "base_graphs": base_graphs,
+            "mode_s_until_warm": warm_s,
             **timings,
             "ratios": {
                 "one_adapter_vs_base": timings["one_adapter"]["median_ms"] / base[1]["median_ms"],
@@ -245,20 +403,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "one_adapter_x4_vs_base": timings["one_adapter_x4"]["median_ms"] / base[4]["median_ms"],
             },
             "graphs_compiled_while_warming": warm_graphs - graphs_before,
+            "adapter_relative_change_of_output": adapter_change,
             "graphs_compiled_by_switches": recompiles,
             "loads": loads,
             "slot_mb": sum(s.nbytes for s in runtime.targets.values()) / 2**20,
+            "spread_ms": {
+                name: [t["min_ms"], t["max_ms"]]
+                for name, t in {"base_1": base[1], "base_4": base[4], **timings}.items()
+            },
         }
         r = results[mode]["ratios"]
         log(
             f"{mode}: base {base[1]['median_ms']:.2f} ms (batch 1), {base[4]['median_ms']:.2f} ms (batch 4); "
             f"one adapter {r['one_adapter_vs_base']:.3f}x (target <= 1.10), four adapters "
             f"{r['four_adapters_vs_base']:.3f}x (target <= 1.15), no adapter {r['no_adapter_vs_base']:.3f}x; "
-            f"graphs compiled by switches: {recompiles} (target 0); "
+            f"graphs compiled by switches: {recompiles} (target 0); adapter changes the output by "
+            f"{adapter_change:.2e} (relative; 0 = not applied); "
             f"register {statistics.mean(loads['register_s']):.3f} s,"
-            f" slot fill {statistics.mean(fill[1:] or fill):.4f} s per adapter"
+            f" slot fill {statistics.mean(fill[1:] or fill):.4f} s per adapter;"
+            f" mode took {time.perf_counter() - mode_start:.0f} s"
         )
-    (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
+        results["total_s"] = time.perf_counter() - started
+        (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 

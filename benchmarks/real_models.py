@@ -32,6 +32,14 @@ and VAE decode; medians with min/max):
 - ``fp8_compiled`` (with ``fp8``): the FP8 transformer under the same regional compile, once per activation
   scaling in ``--fp8-compiled-scaling`` (inductor fuses the activation quantization into the op before each
   linear); compared with omni bf16 compiled.
+- ``step_cache`` (issue 26): one request at a time through the stepwise API (what the engine drives) with each
+  step cache, ``--step-cache-repeats`` images each after a warm-up: the denoising loop's wall time (and end to
+  end) against the same run's uncached requests. Configs: ``off``, the ``safe`` and ``fast`` presets (their
+  residual test decides on these random weights, so their computed fraction is whatever it is here), and
+  ``fast_mask``, a static mask of the steps ``fast`` computed on the trained omni-flux-shapes-tiny at 28 steps
+  (``FAST_ON_TRAINED``): the wall time at the computed-step fraction the issue's target names. With
+  ``--step-cache-compiled`` the blocks are then compiled as serving compiles them and ``off`` and ``fast_mask``
+  run again (``--deadline`` permitting);
 - ``offload_batched`` (with ``offload``): 4 requests denoised together, resident vs. offloaded. At batch 1 a
   full-size family's block bytes take longer to cross PCIe than its blocks take to compute, so the offload
   phase also times a plain pinned host-to-device copy of one slot in the same run and reports the copy-bound
@@ -87,6 +95,10 @@ TARGETS = {
     "concurrency_throughput": 1.3,
 }
 BATCHED_REQUESTS = 4
+# The steps the ``fast`` preset computed on the trained omni-flux-shapes-tiny, 28 steps (every image of
+# benchmarks/results/2026-12-02/step-cache/composition.json: CCSSSCSSCSSSCSSSCSSSCSSSCSSC, 9 of 28).
+FAST_ON_TRAINED = {("flux", 28): [0, 1, 5, 8, 12, 16, 20, 24, 27]}
+STEP_CACHE_SPEEDUP_TARGET = 1.8
 
 
 def diffusers_family(name: str) -> Any:
@@ -298,7 +310,7 @@ class Bench:
         guided = self.request["negative_prompt"] is not None and self.request["true_cfg_scale"] > 1
         return 2 if guided and not omni else 1  # diffusers runs cond and uncond separately; omni batches them
 
-    def _prepare(self, pipe: Any, index: int, steps: int) -> list:
+    def _prepare(self, pipe: Any, index: int, steps: int, cache: Any = None) -> list:
         from omni_models import GenerationRequest, resolve_request
 
         r = self.request
@@ -311,6 +323,7 @@ class Bench:
             seed=self.seed + index,
             height=r["size"],
             width=r["size"],
+            cache=cache,
         )
         return pipe.prepare(resolve_request(pipe.info, request))
 
@@ -577,6 +590,76 @@ class Bench:
         for linear in linears:
             linear.activation_scaling = "tensor"  # back to what the model was quantized with
 
+    def step_cache_configs(self) -> dict[str, Any]:
+        steps = self.request["steps"]
+        mask = FAST_ON_TRAINED.get((self.args.family, steps), [0, steps - 1] if self.args.smoke else "fast")
+        return {  # the target's figure first (off, fast_mask), so that a run cut short has it
+            "off": None,
+            "fast_mask": {"method": "mask", "mask": mask, "first_blocks": 1, "max_consecutive_cached": None},
+            "fast": "fast",
+            "safe": "safe",
+        }
+
+    def _cached_request(self, pipe: Any, steps: int, cache: Any) -> dict[str, Any]:
+        """One request (index 0, same prompt and seed every time): denoising-loop and end-to-end seconds."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        jobs = self._prepare(pipe, 0, steps, cache)
+        pipe.start(jobs)
+        synchronize(self.device)
+        loop_start = time.perf_counter()
+        while not all(job.finished for job in jobs):
+            pipe.step(jobs)
+        synchronize(self.device)
+        loop_end = time.perf_counter()
+        pipe.decode(jobs)
+        synchronize(self.device)
+        end = time.perf_counter()
+        stats = jobs[0].step_cache.stats() if jobs[0].step_cache is not None else None
+        pipe.release(jobs)
+        return {
+            "denoise_s": loop_end - loop_start,
+            "e2e_s": end - start,
+            "decisions": stats.decisions if stats else "C" * steps,
+            "computed_fraction": stats.computed_fraction if stats else 1.0,
+            "block_fraction": stats.block_fraction if stats else 1.0,
+        }
+
+    def step_cache(self, pipe: Any, label: str = "step_cache", names: tuple[str, ...] | None = None) -> None:
+        steps = self.request["steps"]
+        configs = self.step_cache_configs()
+        if names is not None:
+            configs = {name: configs[name] for name in names}
+        self._cached_request(pipe, min(3, steps), None)  # warm-up (and the first compile, when compiled)
+        for cache in ("safe", "fast"):
+            if cache in configs:
+                self._cached_request(pipe, min(3, steps), cache)
+        phase: dict[str, Any] = {"steps": steps, "repeats": self.args.step_cache_repeats, "configs": {}}
+        for name, cache in configs.items():
+            runs = [self._cached_request(pipe, steps, cache) for _ in range(self.args.step_cache_repeats)]
+            phase["configs"][name] = {
+                "cache": cache,
+                "denoise_s": summary([r["denoise_s"] for r in runs]),
+                "e2e_s": summary([r["e2e_s"] for r in runs]),
+                "decisions": sorted({r["decisions"] for r in runs}),
+                "computed_fraction": statistics.mean(r["computed_fraction"] for r in runs),
+                "block_fraction": statistics.mean(r["block_fraction"] for r in runs),
+            }
+            off = phase["configs"]["off"]
+            for config in phase["configs"].values():
+                config["denoise_speedup_vs_off"] = off["denoise_s"]["median"] / config["denoise_s"]["median"]
+                config["e2e_speedup_vs_off"] = off["e2e_s"]["median"] / config["e2e_s"]["median"]
+            self.log(
+                f"{label} {name}: denoise {phase['configs'][name]['denoise_s']['median']:.3f} s "
+                f"({phase['configs'][name]['denoise_speedup_vs_off']:.2f}x off), "
+                f"computed {phase['configs'][name]['computed_fraction']:.3f} ({runs[-1]['decisions']})"
+            )
+            self.results["phases"][label] = phase
+            self.args.out.mkdir(parents=True, exist_ok=True)  # kept after each config: a cut run keeps what ran
+            (self.args.out / f"real_models_{self.args.family}_partial.json").write_text(
+                json.dumps(self.results, indent=1, default=str)
+            )
+
     def compiled(
         self, components: dict[str, Any], reference: Any, build: Callable[..., Any], diffusers_processors: dict
     ) -> None:
@@ -638,6 +721,22 @@ class Bench:
             self.fp8(components, build, omni_pixels)
         if "offload" in phases:  # before compiling: offload's hooks must run outside compiled blocks
             self.offload(components, build, omni_pixels)
+        if "step_cache" in phases:
+            self.step_cache(pipe)
+            past = self.args.deadline is not None and time.perf_counter() - self.started > self.args.deadline
+            if self.args.step_cache_compiled and not past:
+                from omni_models.compilation import CompileSettings, compile_modules
+
+                # The transformer's blocks as serving compiles them (the VAE decoder, outside the loop, is not).
+                targets = pipe.backend.compile_targets()
+                blocks = targets[: len(targets) - len(pipe.backend.compiled_vae_modules)]
+                torch._dynamo.reset()
+                start = time.perf_counter()
+                compile_modules(blocks, CompileSettings(backend="eager" if self.args.smoke else "inductor"))
+                self.step_cache(pipe, "step_cache_compiled", ("off", "fast_mask"))
+                self.results["phases"]["step_cache_compiled"]["compile_and_runs_s"] = time.perf_counter() - start
+            elif self.args.step_cache_compiled:
+                self.results["phases"]["step_cache_compiled"] = {"skipped": f"past --deadline {self.args.deadline} s"}
         if "compiled" in phases:
             self.compiled(components, reference, build, diffusers_processors)
         self.results["total_s"] = time.perf_counter() - self.started
@@ -719,7 +818,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--phases",
         nargs="+",
         default=["concurrency", "engine", "offload", "compiled", "fp8"],
-        choices=("concurrency", "engine", "offload", "offload_batched", "compiled", "fp8", "fp8_compiled"),
+        choices=(
+            "concurrency",
+            "engine",
+            "offload",
+            "offload_batched",
+            "compiled",
+            "fp8",
+            "fp8_compiled",
+            "step_cache",
+        ),
         help="phases after diffusers and omni eager (which always run)",
     )
     parser.add_argument(
@@ -738,6 +846,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--offload-batched-steps", type=int, default=8, help="steps per request in the offload_batched phase"
     )
+    parser.add_argument("--step-cache-repeats", type=int, default=5, help="timed requests per step-cache config")
+    parser.add_argument(
+        "--step-cache-compiled",
+        action="store_true",
+        help="step_cache: then compile the blocks as serving does and time off and fast_mask again",
+    )
+    parser.add_argument("--deadline", type=float, default=None, help="seconds: skip --step-cache-compiled after it")
     args = parser.parse_args(argv)
     require_diffusers()
     if args.repeats is None:
@@ -768,6 +883,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(
                 f"  {phase:<20} {step['median']:9.1f} ms/step [{step['min']:.1f}, {step['max']:.1f}]  "
                 f"{e2e['median']:8.2f} s/image [{e2e['min']:.2f}, {e2e['max']:.2f}]"
+            )
+    for label in ("step_cache", "step_cache_compiled"):
+        for name, config in results["phases"].get(label, {}).get("configs", {}).items():
+            d = config["denoise_s"]
+            print(
+                f"  {label} {name:<10} denoise {d['median']:.3f} s [{d['min']:.3f}, {d['max']:.3f}], "
+                f"{config['denoise_speedup_vs_off']:.2f}x vs off (computed {config['computed_fraction']:.3f}, "
+                f"blocks {config['block_fraction']:.3f})"
             )
     for what, value, target, met in ratios(results):
         relation = "<=" if "offload" in what else ">="

@@ -9,6 +9,7 @@ file and changes nothing.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -260,6 +261,29 @@ def test_an_fp8_linear_keeps_its_weights_and_gets_the_delta():
         out = model(x)
     assert torch.allclose(out[0], base[0] + 0.5 * 2.0 * (x[0] @ down.T) @ up.T, atol=1e-5)
     assert torch.equal(out[1], base[1]) and torch.equal(model[0].weight, weight)
+
+
+def test_a_compiled_pipeline_applies_its_adapters(flux_dev_dir, flux_adapters, flux):
+    """Dynamo does not guard on module hooks: a compiled block runs the hooks it traced, and a hook added after its
+    first compiled call never runs (the 2026-12-02c H200 benchmark measured exactly that). ``omni_models.load``
+    installs the LoRA hooks before it compiles, so the compiled pipeline's images are the eager ones, adapter and
+    none alike, also when the first forward carries no adapter."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        compiled = omni_models.load(
+            str(flux_dev_dir), lora=LoRAOptions(max_loras=2, max_rank=8), compile=True, compile_backend="eager", **TEXT
+        )
+        compiled.lora.register("a", flux_adapters["a"])
+        request = dict(prompt="a red circle", seed=1, **COMMON)
+        plain = _alone(compiled, **request)
+        with_a = _alone(compiled, lora="a", **request)
+        assert np.array_equal(np.asarray(plain), np.asarray(_alone(flux, **request)))
+        assert np.array_equal(np.asarray(with_a), np.asarray(_alone(flux, lora="a", **request)))
+        assert not np.array_equal(np.asarray(with_a), np.asarray(plain))
+    finally:
+        torch._dynamo.reset()
 
 
 def test_switching_and_mixing_adapters_never_recompiles(flux):

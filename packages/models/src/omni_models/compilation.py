@@ -75,18 +75,61 @@ def compile_count() -> int:
     return int(counters["frames"]["ok"])
 
 
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a compiled block receives it: a view laid out contiguously becomes a plain alias (not a view)
+    with contiguous strides, without a copy; a tuple is done element by element; anything else (a tensor that is
+    no view: an op's fresh output, or a strided view) stays, at the cost of one attribute read."""
+    if type(value) is tuple:
+        return tuple(_plain(item) for item in value)
+    if getattr(value, "_base", None) is None or not value.is_contiguous():
+        return value
+    strides = _contiguous_strides(value.shape)
+    if value.stride() != strides:  # differs only along size-1 dimensions (a slice of a batch of one row)
+        value = value.as_strided(value.shape, strides)
+    return value.detach()
+
+
+def _plain_inputs(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """The forward pre-hook of a compiled module (it runs outside the compiled code): dynamo guards on how an input
+    is laid out. It rebuilds a view from its base, and the guards check the base's strides. A contiguous input's
+    strides along size-1 dimensions are checked too. Without this hook, the first double-stream block of FLUX.1
+    (its inputs are views of the embedders' 2-D outputs) and the single-stream blocks after the first (slices of
+    the previous block's joint output) each compile a second graph of their class. Under autograd the inputs
+    stay as they are (``detach`` would cut the recorded graph)."""
+    import torch
+
+    if torch.is_grad_enabled():
+        return None
+    return tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
+
+
 def compile_modules(modules: Sequence[Any], settings: CompileSettings) -> int:
-    """``module.compile(...)`` each module in place (``nn.Module.compile``: the module object stays the same, so
-    hooks, state dicts and attention processors keep working); returns how many.
+    """Compile each module's ``forward`` in place (the module object stays the same, so state dicts, attention
+    processors and the hooks of its submodules keep working: they are traced into the graph, so install them
+    first, dynamo does not guard on module hooks); returns how many.
+
+    A forward pre-hook (``_plain_inputs``, run eagerly before the compiled forward) hands every block of a class
+    inputs laid out alike, so that the blocks of one class share one graph per row-count class instead of
+    compiling a second one for the block whose inputs are views (issue 24's "first block compiled twice").
 
     Duck shaping is turned off: otherwise two dimensions that happen to be equal at the first compile (a prompt of
     as many tokens as a static width, say) share one symbol, and the dynamic one is specialized to that value.
     """
+    import torch
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
     for module in modules:
-        module.compile(**settings.kwargs())
+        module.forward = torch.compile(module.forward, **settings.kwargs())
+        module.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
     return len(modules)
 
 
