@@ -70,6 +70,10 @@ for s in "${steps[@]}"; do
                      --baseline none --fp8-source online --fp8-compiled-scaling row tensor --phases compiled fp8 fp8_compiled --out "$R" ;;
     real_qwen_cfg) step real_qwen_cfg 420 python3 benchmarks/real_models.py --family qwen-image \
                      --fp8-source online --fp8-compiled-scaling row --phases compiled fp8 fp8_compiled --out "$R" ;;
+    # Issue 29: Wan2.1-1.3B at 832x480, 81 frames, 50 steps vs diffusers' WanPipeline (diffusers carried in .whl/);
+    # the 14B: ms/step over 4 steps, resident vs layerwise offload, peak memory.
+    video_wan) step video_wan 560 python3 benchmarks/video_wan.py --out "$R" ;;
+    video_wan_14b) step video_wan_14b 560 python3 benchmarks/video_wan.py --size 14b --steps 4 --phases omni,offload --out "$R" ;;
     tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;
     # The music family's acoustic stage (paged code K/V vs recompute, FP8), no vLLM needed.

@@ -329,3 +329,12 @@ def test_bf16_keeps_diffusers_float32_modules_and_a_float32_vae(wan21_dir):
     print(f"bf16 latents vs diffusers' bf16 latents: {error:.4f}")
     assert error < 0.03
     assert pipe.decode(jobs)[0].frames.shape == (5, 32, 48, 3)
+
+
+def test_sequence_parallelism_is_refused_for_wan_by_name(wan21):
+    from omni_models.family_parallel import enable_family_parallel
+    from omni_models.parallel import ParallelState
+
+    with pytest.raises(ValueError, match="sequence parallelism applies to FLUX.1 among the families.*wan rows"):
+        enable_family_parallel(wan21, ParallelState(sp_size=2))
+    assert not omni_models.inspect(wan21.info.name).capabilities.sequence_parallel

@@ -280,7 +280,7 @@ class DenoiseRow:
 
     latents: Tensor  # [S, C]
     text: TextEmbedding
-    timestep: Tensor  # float32 0-dim, in [0, 1000]
+    timestep: Tensor  # 0-dim, in [0, 1000]: float32 (the image families), the scheduler's own (Wan's UniPC: int64)
     guidance: float | None
     reference: ReferenceConditioning | None = None  # encoded; every row of one forward has the same key
 
