@@ -331,6 +331,16 @@ def _strategy(schema: dict, defs: dict):
         return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False)
     if kind == "null":
         return st.none()
+    if kind == "object" and "properties" not in schema:
+        # A free-form object (the step cache's knobs): short keys, JSON scalar values.
+        assert schema.get("additionalProperties", True) is True, schema
+        scalars = (
+            st.none() | st.booleans() | st.integers(-3, 50) | st.floats(-1, 2, allow_nan=False) | st.text(max_size=8)
+        )
+        from omni_models.step_cache import KNOBS
+
+        keys = st.sampled_from(["preset", *KNOBS]) | st.text(max_size=8)
+        return st.dictionaries(keys, scalars, max_size=3)
     if kind == "object":
         properties = {name: _strategy(sub, defs) for name, sub in schema["properties"].items()}
         required = set(schema.get("required", ()))
