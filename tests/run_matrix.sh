@@ -110,7 +110,7 @@ for package in "${packages[@]}"; do
     failed+=("test.${package} (environment)")
     continue
   fi
-  hatch run "+package=${package}" test:run -q -p no:cacheprovider
+  hatch run "+package=${package}" test:run -q -p no:cacheprovider --durations=15
   rc=$?
   took=$((SECONDS - start))
   if [ $rc -eq 5 ]; then
