@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test matrix: hatch's `test` matrix, one environment per package (only that package and its declared
 # dependencies installed), each running its own tests; `server` also runs the cross-package tests. Fails if any
-# environment fails or collects no test.
+# environment fails or collects no test. The first package's tests run in the background beside the others'
+# (OMNI_MATRIX_SERIAL=1: one after another).
 # Usage: bash tests/run_matrix.sh [PACKAGE ...]   (default: every value of the matrix, in hatch.toml's order)
 #        bash tests/run_matrix.sh --lint          the lint and format gate only (ruff check + ruff format --check)
 #
@@ -87,7 +88,7 @@ fi
 # the environments one after another, in test order, while the tests of those already built run. It leaves
 # PACKAGE.ok or PACKAGE.failed (with PACKAGE.log) in $built.
 built=$(mktemp -d)
-trap 'kill "$builder" 2>/dev/null; rm -rf "$built"' EXIT
+trap 'kill "$builder" ${tester:-} 2>/dev/null; rm -rf "$built"' EXIT
 (
   for package in "${packages[@]}"; do
     if hatch -q env create "test.${package}" >"$built/${package}.log" 2>&1; then
@@ -99,23 +100,48 @@ trap 'kill "$builder" 2>/dev/null; rm -rf "$built"' EXIT
 ) &
 builder=$!
 
-for package in "${packages[@]}"; do
+run_tests() {  # run_tests PACKAGE: wait for its environment, run its tests; leaves PACKAGE.result ("rc seconds")
+  local package=$1 start=$SECONDS rc
   echo "=== test.${package} ==="
-  start=$SECONDS
   while [ ! -e "$built/${package}.ok" ] && [ ! -e "$built/${package}.failed" ]; do
     sleep 1
   done
   if [ -e "$built/${package}.failed" ]; then
     cat "$built/${package}.log"
-    failed+=("test.${package} (environment)")
-    continue
+    echo "env $((SECONDS - start))" >"$built/${package}.result"
+    return
   fi
   hatch run "+package=${package}" test:run -q -p no:cacheprovider --durations=15
   rc=$?
-  took=$((SECONDS - start))
-  if [ $rc -eq 5 ]; then
+  echo "$rc $((SECONDS - start))" >"$built/${package}.result"
+}
+
+# The first package (the longest: the server's tests, which wait on server processes much of the time) runs in
+# the background beside the others, which run one after another; its output is printed when it ends.
+# OMNI_MATRIX_SERIAL=1 runs every package one after another.
+background=()
+rest=("${packages[@]}")
+if [ "${OMNI_MATRIX_SERIAL:-0}" != 1 ] && [ ${#packages[@]} -gt 1 ]; then
+  background=("${packages[0]}")
+  rest=("${packages[@]:1}")
+  run_tests "${packages[0]}" >"$built/${packages[0]}.out" 2>&1 &
+  tester=$!
+fi
+for package in "${rest[@]}"; do
+  run_tests "$package"
+done
+if [ ${#background[@]} -ne 0 ]; then
+  wait "$tester"
+  cat "$built/${background[0]}.out"
+fi
+for package in "${packages[@]}"; do
+  read -r rc took <"$built/${package}.result"
+  if [ "$rc" = env ]; then
+    failed+=("test.${package} (environment)")
+    continue
+  elif [ "$rc" -eq 5 ]; then
     failed+=("test.${package} (no tests collected)")
-  elif [ $rc -ne 0 ]; then
+  elif [ "$rc" -ne 0 ]; then
     failed+=("test.${package} (pytest exit ${rc})")
   fi
   summary+=("test.${package}: exit ${rc}, ${took}s (with the wait for its environment)")
