@@ -65,8 +65,9 @@ def _info(variant: str, max_images: int):
         transformer_config: Mapping[str, Any],
         vae_config: Mapping[str, Any],
         max_sequence_length: int | None,
+        settings: Mapping[str, Any] | None = None,
     ) -> ModelInfo:
-        base = qwen_image.info(name, transformer_config, vae_config, max_sequence_length)
+        base = qwen_image.info(name, transformer_config, vae_config, max_sequence_length, settings)
         image = base.image
         assert image is not None
         return msgspec.structs.replace(
