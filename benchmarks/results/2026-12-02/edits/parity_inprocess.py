@@ -1,6 +1,6 @@
 """The in-process parity check of issue 28 (FamilyPipeline.__call__(image=...) vs diffusers' FluxKontextPipeline).
 
-Run: TREE=/work/wt28 rt server benchmarks/results/2026-12-02/edits/parity_inprocess.py (writes /tmp/k28/ckpt).
+Run: python benchmarks/results/2026-12-02/edits/parity_inprocess.py (writes /tmp/k28/ckpt).
 """
 
 from pathlib import Path
