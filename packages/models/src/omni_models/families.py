@@ -745,15 +745,19 @@ class FamilyPipeline:
             lora=lora,
             lora_scale=lora_scale,
         )
+        return self._run_one_call(jobs, callback_on_step_end)
+
+    def _run_one_call(self, jobs: list[Any], callback_on_step_end: Callable[..., Any] | None) -> list[Any]:
+        """Start, step (calling ``callback_on_step_end`` after each step), decode and release one call's jobs."""
         self.start(jobs)
         for step in range(jobs[0].num_steps):
             self.step(jobs)
             if callback_on_step_end is not None:
                 latents = torch.stack([j.latents for j in jobs])
                 callback_on_step_end(self, step, jobs[0].timesteps[step], {"latents": latents})
-        images = self.decode(jobs)
+        outputs = self.decode(jobs)
         self.release(jobs)
-        return images
+        return outputs
 
     # --- options ------------------------------------------------------------------------------------------------
 

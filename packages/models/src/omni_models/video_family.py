@@ -179,15 +179,7 @@ class VideoFamilyPipeline(FamilyPipeline):
             guidance_scale=guidance_scale,
             guidance_scale_2=guidance_scale_2,
         )
-        self.start(jobs)
-        for step in range(jobs[0].num_steps):
-            self.step(jobs)
-            if callback_on_step_end is not None:
-                latents = torch.stack([j.latents for j in jobs])
-                callback_on_step_end(self, step, jobs[0].timesteps[step], {"latents": latents})
-        videos = self.decode(jobs)
-        self.release(jobs)
-        return videos
+        return self._run_one_call(jobs, callback_on_step_end)
 
 
 __all__ = ["VideoFamilyPipeline", "VideoJob"]
