@@ -218,52 +218,61 @@ def _generate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "family, flags, extra",
+    "family, flags, extra, front",
     [
-        ("flux", ["--sequence-parallel-size", "2"], []),
-        ("qwen-image", ["--cfg-parallel-size", "2"], ["--negative-prompt", "bad"]),
+        ("flux", ["--sequence-parallel-size", "2"], [], "generate"),
+        ("qwen-image", ["--cfg-parallel-size", "2"], ["--negative-prompt", "bad"], "serve"),
     ],
-    ids=["flux-sp2", "qwen-cfg2"],
+    ids=["flux-sp2-generate", "qwen-cfg2-serve"],
 )
-def test_generate_and_serve_run_a_diffusers_family_on_two_ranks(
-    family, flags, extra, tmp_path, server_factory, tools
+def test_a_diffusers_family_on_two_ranks_draws_the_one_process_image(
+    family, flags, extra, front, tmp_path, server_factory, tools
 ) -> None:
-    """`omni-server generate` and `serve` on two ranks (the one engine, the same worker group) draw the
-    one-process image of a (tiny, random) family checkpoint."""
+    """`omni-server generate` (FLUX.1, two sequence-parallel ranks) and `serve` (Qwen-Image, two CFG ranks) draw
+    the image the family's pipeline draws in one process, from a tiny random checkpoint. Both fronts drive the one
+    engine and worker group, so each family goes through one of them."""
     pytest.importorskip("diffusers")
-    from omni_models import synthetic
+    import torch
+
+    from omni_models import load, synthetic
 
     build = synthetic.flux_components if family == "flux" else synthetic.qwen_image_components
     checkpoint = synthetic.save_checkpoint(family, build("tiny"), tmp_path / family)
-    common = [
-        "a red circle",
-        "--model",
-        str(checkpoint),
-        "--device",
-        "cpu",
-        "--steps",
-        "2",
-        "--image-seed",
-        "3",
-        "--size",
-        "32x32",
-        *extra,
-    ]
-    one = _generate([*common, "-o", str(tmp_path / "one.png")], tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = _generate([*common, *flags, "-o", str(tmp_path / "two.png")], tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = (np.asarray(Image.open(tmp_path / name)).astype(np.float64) for name in ("one.png", "two.png"))
-    print(f"{family} {flags}: PSNR {_psnr(a, b):.1f} dB")
-    assert _psnr(a, b) >= 40.0
-    server = server_factory(str(checkpoint), *flags)
-    assert len(_workers(server, tools)) == 1
-    body = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 3, "size": "32x32"}
-    if extra:
-        body["negative_prompt"] = extra[1]
-    response = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=300)
-    assert response.status_code == 200, response.text
-    served = _image(response.json())
-    print(f"{family} {flags} served: PSNR {_psnr(a, served):.1f} dB")
-    assert _psnr(a, served) >= 40.0
-    server.stop()
+    negative = {"negative_prompt": extra[1]} if extra else {}
+    one = load(str(checkpoint), device="cpu", dtype=torch.float32)(
+        "a red circle", num_inference_steps=2, seed=3, height=32, width=32, **negative
+    )[0]
+    expected = np.asarray(one).astype(np.float64)
+    if front == "generate":
+        ranks = _generate(
+            [
+                "a red circle",
+                "--model",
+                str(checkpoint),
+                "--device",
+                "cpu",
+                "--steps",
+                "2",
+                "--image-seed",
+                "3",
+                "--size",
+                "32x32",
+                *extra,
+                *flags,
+                "-o",
+                str(tmp_path / "two.png"),
+            ],
+            tmp_path,
+        )
+        assert ranks.returncode == 0, ranks.stderr[-3000:]
+        drawn = np.asarray(Image.open(tmp_path / "two.png")).astype(np.float64)
+    else:
+        server = server_factory(str(checkpoint), *flags)
+        assert len(_workers(server, tools)) == 1
+        body = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 3, "size": "32x32", **negative}
+        response = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        drawn = _image(response.json())
+        server.stop()
+    print(f"{family} {flags} via {front}: PSNR {_psnr(expected, drawn):.1f} dB")
+    assert _psnr(expected, drawn) >= 40.0

@@ -37,6 +37,14 @@ def _wait(predicate, timeout: float, what: str) -> float:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def _health(url: str) -> int:
+    """/health's status, -1 while it does not answer within 2 s (a loaded machine, a process starting)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.TransportError:
+        return -1
+
+
 def _error(response: httpx.Response, status: int) -> dict:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json"), response.headers
@@ -90,29 +98,44 @@ def test_the_openai_sdk_speaks_to_the_music_server(guarded) -> None:
     assert refused.value.body["param"] == "voice"
 
 
-def test_music_requests_are_bounded_by_the_queue_the_timeout_and_the_client(server_factory, tools) -> None:
-    """With the engine held (SIGSTOP; a long heartbeat timeout keeps it from counting as stalled) a song stays in
-    flight for as long as the test needs: the queue bound, the timeout and the disconnect abort apply to it."""
-    server = server_factory(
+@pytest.fixture(scope="module")
+def held(server_factory):
+    """One server for the tests that hold the engine (SIGSTOP; a long heartbeat timeout keeps it from counting as
+    stalled), kill it and drain it; the last of them stops the server."""
+    handle = server_factory(
         MODEL,
         "--max-num-seqs",
         "1",
         "--max-queued-requests",
         "0",
+        # Long enough for a short song on a loaded 2-core CI machine; the held song waits it out (no CPU).
         "--request-timeout",
-        "3",
+        "20",
         "--engine-heartbeat-timeout",
         "120",
+        "--engine-restarts",
+        "1",
+        "--shutdown-timeout",
+        "1",
     )
+    yield handle
+    if handle.process.poll() is None:
+        handle.stop()
+
+
+def test_music_requests_are_bounded_by_the_queue_the_timeout_and_the_client(held, tools) -> None:
+    """With the engine held a song stays in flight for as long as the test needs: the queue bound, the timeout and
+    the disconnect abort apply to it."""
+    server = held
     url = f"{server.url}/v1/audio/speech"
     engine = server.engine_pid()
     os.kill(engine, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
-            held = pool.submit(httpx.post, url, json=LONG, timeout=60)
+            held_song = pool.submit(httpx.post, url, json=LONG, timeout=60)
             time.sleep(0.5)  # the held song is in flight
             assert _error(httpx.post(url, json=SHORT, timeout=30), 429)["code"] == "queue_full"
-            timed_out = held.result(timeout=60)
+            timed_out = held_song.result(timeout=60)
         assert _error(timed_out, 504)["code"] == "request_timeout"
         assert timed_out.headers["x-should-retry"] == "false"
 
@@ -136,29 +159,28 @@ def test_music_requests_are_bounded_by_the_queue_the_timeout_and_the_client(serv
     _wait(lambda: tools.metric(server.metrics(), "omni:num_requests_running") == 0, 30, "the engine to drop both")
     song = httpx.post(url, json=SHORT, timeout=60)
     assert song.status_code == 200 and song.headers["content-type"] == "audio/wav", song.text
-    server.stop()
 
 
-def test_sigterm_drains_the_music_server_and_exits_0(server_factory, tools) -> None:
-    """A song still in flight when the drain ends (the engine held by SIGSTOP) gets an OpenAI-shape 503; every
-    process exits, the server with status 0."""
-    server = server_factory(MODEL, "--shutdown-timeout", "1", "--engine-heartbeat-timeout", "120")
+def test_a_killed_music_engine_turns_health_503_and_restarts(held) -> None:
+    engine = held.engine_pid()
+    status, _, seconds = held.kill_and_watch_health(engine)
+    assert status == 503 and seconds < 1.0
+    _wait(lambda: _health(held.url) == 200, 120, "the engine to restart")
+    assert held.engine_pid() != engine
+    assert httpx.post(f"{held.url}/v1/audio/speech", json=SHORT, timeout=60).status_code == 200
+
+
+def test_sigterm_drains_the_music_server_and_exits_0(held, tools) -> None:
+    """A song still in flight when the drain ends (the engine held) gets an OpenAI-shape 503; every process exits,
+    the server with status 0. (Stops the module's server: the last test here.)"""
+    server = held
     engine = server.engine_pid()
     os.kill(engine, signal.SIGSTOP)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        held = pool.submit(httpx.post, f"{server.url}/v1/audio/speech", json=LONG, timeout=60)
+        held_song = pool.submit(httpx.post, f"{server.url}/v1/audio/speech", json=LONG, timeout=60)
         time.sleep(0.5)
         server.process.send_signal(signal.SIGTERM)
-        response = held.result(timeout=60)
+        response = held_song.result(timeout=60)
     assert _error(response, 503)["code"] == "server_shutting_down"
     assert server.process.wait(30) == 0
     _wait(lambda: not tools.pid_alive(engine), 15, "the engine to exit")
-
-
-def test_a_killed_music_engine_turns_health_503_and_restarts(server_factory) -> None:
-    server = server_factory(MODEL, "--engine-restarts", "1")
-    status, _, seconds = server.kill_and_watch_health(server.engine_pid())
-    assert status == 503 and seconds < 1.0
-    _wait(lambda: httpx.get(f"{server.url}/health", timeout=2).status_code == 200, 120, "the engine to restart")
-    assert httpx.post(f"{server.url}/v1/audio/speech", json=SHORT, timeout=60).status_code == 200
-    server.stop()
