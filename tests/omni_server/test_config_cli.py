@@ -245,3 +245,23 @@ def test_the_server_compiles_only_on_cuda_for_kinds_that_can_and_never_under_off
     assert options == {"compile": True, "compile_cache_dir": "/c", "prompt_embed_cache_size": 32}
     cpu = serving_options(build_config(None, device="cpu", compile_cache_dir="/c"), music)
     assert cpu == {"compile": False, "compile_cache_dir": None, "prompt_embed_cache_size": 32}
+
+
+FRONT_PROCESS = """
+import sys
+from omni_server.api import create_app
+from omni_server.config import ServerConfig
+from omni_server.startup import check_startup
+
+config = ServerConfig(device="cpu")
+check_startup(config)
+create_app(config)
+print(sorted(m for m in ("torch", "numpy", "PIL", "safetensors", "vllm", "diffusers") if m in sys.modules))
+"""
+
+
+def test_the_api_process_checks_the_model_and_builds_its_app_without_torch() -> None:
+    """`serve --device cpu`: the front process reads the model's metadata only; torch loads in the engine process."""
+    done = subprocess.run([sys.executable, "-c", FRONT_PROCESS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -34,29 +34,13 @@ from .checkpoint import CHECKPOINT_MMAP, CheckpointReader, HostWeightPlan
 from .host_store import HostBlockStore, StagedCheckpointBlocks
 from .layout import BlockLayout, TensorEntry, block_tensors, layout_of, layouts_digest, persistent_buffers
 from .plan import OffloadPlan, ResolvedPlan, resolve_plan
+from .rules import check_allgather_plan
 
 logger = logging.getLogger(__name__)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Mode = Literal["allgather", "rank_local"]
-
-RESIDENT_ALLGATHER_ERROR = (
-    "OffloadPlan(resident_blocks={n}) was combined with use_allgather=True: resident blocks keep the weights the "
-    "model's own loader put on each rank, which only rank-local mode streams alongside. Pass use_allgather=False "
-    "or resident_blocks=0."
-)
-
-
-def check_allgather_plan(resident_blocks: int, *, use_allgather: bool) -> None:
-    """The rule sharding over a group imposes on a plan, checkable before any model or group exists.
-
-    Resident blocks keep the weights the model's own loader put on each rank, which only rank-local mode streams
-    alongside, so ``resident_blocks > 0`` with ``use_allgather=True`` is a ``ValueError`` saying what to change.
-    ``enable_layerwise_offload`` applies it whenever it is given a group.
-    """
-    if use_allgather and resident_blocks > 0:
-        raise ValueError(RESIDENT_ALLGATHER_ERROR.format(n=resident_blocks))
 
 
 @dataclass

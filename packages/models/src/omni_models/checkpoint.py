@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING
 
 from omni_models.config import DiTConfig
+
+if TYPE_CHECKING:  # reading a model's metadata (config, vocabulary, file list) needs neither
+    import torch
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,6 +60,8 @@ def weight_files(directory: Path) -> list[Path]:
 
 def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Read the weights of a model directory (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
     single = directory / WEIGHTS_NAME
     if single.is_file():
         return load_file(str(single))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from omni_models.limits import MAX_IMAGES_PER_REQUEST, MAX_INFERENCE_STEPS
+from omni_models.spec import ImageLimits, ModelInfo
 
 
 def check_known_fields(cls: type, data: dict[str, Any]) -> None:
@@ -100,4 +104,31 @@ def large_config(vocab_size: int = 32768, max_prompt_tokens: int = 512) -> DiTCo
         max_prompt_tokens=max_prompt_tokens,
         supported_sizes=((64, 64),),
         default_steps=30,
+    )
+
+
+DIT_ACCEPTS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed", "cache")
+
+
+def dit_info(config: DiTConfig, vocabulary: Sequence[str], name: str) -> ModelInfo:
+    """The ``ModelInfo`` of a causal-prefix DiT, from its config and vocabulary alone (``vocabulary`` without the
+    padding and BOS tokens)."""
+    return ModelInfo(
+        name=name,
+        family="omni-dit",
+        variant=config.name,
+        task="text-to-image",
+        accepts=DIT_ACCEPTS,
+        image=ImageLimits(
+            sizes=config.supported_sizes,
+            default_steps=config.default_steps,
+            max_inference_steps=MAX_INFERENCE_STEPS,
+            guidance="cfg",
+            default_guidance_scale=float(config.default_guidance),
+            max_images_per_request=MAX_IMAGES_PER_REQUEST,
+            max_prompt_tokens=config.max_prompt_tokens,
+        ),
+        vocabulary=tuple(vocabulary),
+        paged_kv=True,
+        transformer_blocks=config.depth,
     )

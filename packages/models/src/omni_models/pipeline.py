@@ -30,18 +30,16 @@ from diffusion_kv import (
     discover_kv_cache_specs,
 )
 from omni_models import paged, parallel, shapes_grammar
-from omni_models.config import DiTConfig
+from omni_models.config import DIT_ACCEPTS, DiTConfig, dit_info
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
 from omni_models.graphs import StepGraphs
 from omni_models.images import to_uint8_images
 from omni_models.integrations import declare_kv_cache
-from omni_models.limits import MAX_IMAGES_PER_REQUEST, MAX_INFERENCE_STEPS
 from omni_models.model import CausalPrefixDiT
 from omni_models.request import ResolvedRequest, prepare_one_call
 from omni_models.runner import GenerationJob, GenerationRow, ScheduledJob, scheduled
 from omni_models.sampling import generate_dense
-from omni_models.spec import ImageLimits, ModelInfo
 from omni_models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -51,31 +49,6 @@ if TYPE_CHECKING:
 AttentionBackend = Literal["paged", "dense"]
 CALL_BLOCK_SIZE = 16  # block size of the private pool ``__call__`` allocates
 _PRIVATE_REQUEST_ID = "private-pool"  # the one request a private pool's row table holds
-DIT_ACCEPTS = ("prompt", "negative_prompt", "size", "num_inference_steps", "guidance_scale", "n", "seed", "cache")
-
-
-def dit_info(config: DiTConfig, vocabulary: Sequence[str], name: str) -> ModelInfo:
-    """The ``ModelInfo`` of a causal-prefix DiT, from its config and vocabulary alone (``vocabulary`` without the
-    padding and BOS tokens)."""
-    return ModelInfo(
-        name=name,
-        family="omni-dit",
-        variant=config.name,
-        task="text-to-image",
-        accepts=DIT_ACCEPTS,
-        image=ImageLimits(
-            sizes=config.supported_sizes,
-            default_steps=config.default_steps,
-            max_inference_steps=MAX_INFERENCE_STEPS,
-            guidance="cfg",
-            default_guidance_scale=float(config.default_guidance),
-            max_images_per_request=MAX_IMAGES_PER_REQUEST,
-            max_prompt_tokens=config.max_prompt_tokens,
-        ),
-        vocabulary=tuple(vocabulary),
-        paged_kv=True,
-        transformer_blocks=config.depth,
-    )
 
 
 class Pipeline:

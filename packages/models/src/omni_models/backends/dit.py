@@ -20,16 +20,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from omni_models.checkpoint import load_config, load_weights_into, weight_files
+from omni_models.config import dit_info
 from omni_models.errors import CheckpointError
-from omni_models.integrations import FP8_IGNORE, offload_plan, quantize_fp8
-from omni_models.pipeline import Pipeline, build_model, dit_info
 from omni_models.spec import Capabilities, ModelSpec
 from omni_models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from omni_models.pipeline import Pipeline
     from omni_models.registry import LoadOptions
 
 logger = logging.getLogger(__name__)
@@ -74,6 +72,12 @@ def load(directory: Path, name: str, options: LoadOptions) -> Pipeline:
             "K/V in its paged cache instead"
         )
     inspect(directory, name)  # a bad directory fails here, before anything is built
+    # Imported here: ``inspect`` (the server's API process checks a model with it) reads metadata without torch.
+    import torch
+
+    from omni_models.integrations import FP8_IGNORE, offload_plan, quantize_fp8
+    from omni_models.pipeline import Pipeline, build_model
+
     device, dtype = options.device, options.dtype
     if options.compile and device.type != "cuda":
         raise ValueError(
