@@ -16,8 +16,13 @@ from omni_models.training.music_scorer import MusicScorer  # noqa: E402
 LYRICS = "[verse]\nla la love\n[chorus]\noh oh shine\n[verse]\nrun to the sky"
 
 
-def test_the_issue_example_is_read_back_as_asked() -> None:
-    pipeline = load_music("omni-tones-tiny")
+@pytest.fixture(scope="module")
+def pipeline():
+    """One loaded pipeline (its AR stage is a vLLM engine) for the module's songs."""
+    return load_music("omni-tones-tiny")
+
+
+def test_the_issue_example_is_read_back_as_asked(pipeline) -> None:
     song = pipeline.generate(
         [GenerationRequest(prompt="a calm piano melody at 90 BPM in C major", lyrics=LYRICS, seed=0)]
     )[0]
@@ -27,8 +32,7 @@ def test_the_issue_example_is_read_back_as_asked() -> None:
     assert read == {"tonic": 0, "mode": "major", "bpm": 90, "timbre": "piano", "loudness": "soft"}
 
 
-def test_paged_acoustic_equals_dense() -> None:
-    pipeline = load_music("omni-tones-tiny")
+def test_paged_acoustic_equals_dense(pipeline) -> None:
     codes = pipeline.generate(
         [GenerationRequest(prompt="loud organ piece in a minor at 150 bpm", lyrics=LYRICS, seed=3, max_new_tokens=64)]
     )[0].codes
