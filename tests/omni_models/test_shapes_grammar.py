@@ -78,3 +78,34 @@ def test_the_shipped_model_reads_reordered_prompts_as_canonical_tokens() -> None
     assert reordered.rows[0].token_ids == canonical.rows[0].token_ids
     assert SceneSpec(1, 7, 2, 3).caption() == CANONICAL
     assert VOCABULARY[2:] == tuple(pipeline.info.vocabulary)
+
+
+def test_the_model_info_alone_reads_prompts_as_the_pipeline_does() -> None:
+    """``PromptReader.from_info``: the metadata's vocabulary (``omni_models.inspect``, no weights) gives every row's
+    token ids and every refusal the loaded pipeline gives."""
+    from omni_models import PromptReader
+
+    pipeline = omni_models.load("omni-shapes-tiny", device="cpu")
+    reader = PromptReader.from_info(omni_models.inspect("omni-shapes-tiny").info)
+    for prompt, fields in (
+        ("on a green background, a black square at the top right", {}),
+        (CANONICAL, {"guidance_scale": 4.0, "negative_prompt": "a red circle"}),
+        ("a blue triangle", {"guidance_scale": 4.0}),
+    ):
+        resolved = resolve_request(pipeline.info, GenerationRequest(prompt=prompt, **fields))
+        [job] = pipeline.prepare(resolved)
+        assert [(role, tuple(ids)) for role, ids in reader.rows(resolved)] == [
+            (row.role, row.token_ids) for row in job.rows
+        ]
+    for prompt, fields, param in (
+        ("a zebra", {}, "prompt"),
+        ("a red circle and a blue square", {}, "prompt"),
+        ("...", {}, "prompt"),
+        ("a red circle", {"guidance_scale": 4.0, "negative_prompt": "a zebra"}, "negative_prompt"),
+    ):
+        resolved = resolve_request(pipeline.info, GenerationRequest(prompt=prompt, **fields))
+        with pytest.raises(InvalidRequestError) as from_pipeline:
+            pipeline.prepare(resolved)
+        with pytest.raises(InvalidRequestError) as from_info:
+            reader.rows(resolved)
+        assert (str(from_info.value), from_info.value.param) == (str(from_pipeline.value), param)

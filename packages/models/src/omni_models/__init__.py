@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.9.0"
+__version__ = "0.9.1"
 
 if TYPE_CHECKING:
     from omni_models.contract import Job, PagedPipeline, StepwisePipeline
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from omni_models.input_images import InputImage, decode_input_image
     from omni_models.lora import LoRAError, LoRAOptions
     from omni_models.pipeline import Pipeline
+    from omni_models.prompts import PromptReader
     from omni_models.registry import LoadOptions, inspect, inspect_lora, load
     from omni_models.request import GenerationRequest, ResolvedRequest, resolve_request
     from omni_models.runner import GenerationJob
@@ -42,6 +43,7 @@ _LAZY = {
     "InputImage": "omni_models.input_images",
     "decode_input_image": "omni_models.input_images",
     "Pipeline": "omni_models.pipeline",
+    "PromptReader": "omni_models.prompts",
     "LoadOptions": "omni_models.registry",
     "LoRAError": "omni_models.lora",
     "LoRAOptions": "omni_models.lora",
@@ -95,6 +97,7 @@ __all__ = [
     "ModelSpec",
     "PagedPipeline",
     "Pipeline",
+    "PromptReader",
     "ResolvedRequest",
     "SizeRange",
     "StepwisePipeline",

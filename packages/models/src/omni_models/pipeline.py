@@ -29,7 +29,7 @@ from diffusion_kv import (
     cdiv,
     discover_kv_cache_specs,
 )
-from omni_models import paged, parallel, shapes_grammar
+from omni_models import paged, parallel
 from omni_models.config import DIT_ACCEPTS, DiTConfig, dit_info
 from omni_models.errors import InvalidRequestError
 from omni_models.flow import euler_times, initial_noise
@@ -37,6 +37,7 @@ from omni_models.graphs import StepGraphs
 from omni_models.images import to_uint8_images
 from omni_models.integrations import declare_kv_cache
 from omni_models.model import CausalPrefixDiT
+from omni_models.prompts import PromptReader
 from omni_models.request import ResolvedRequest, prepare_one_call
 from omni_models.runner import GenerationJob, GenerationRow, ScheduledJob, scheduled
 from omni_models.sampling import generate_dense
@@ -81,10 +82,8 @@ class Pipeline:
         self.model = model.eval()
         self.offload = offload
         self.tokenizer = tokenizer
-        if prompt_grammar == "auto":
-            words = tokenizer.vocabulary[2:]
-            prompt_grammar = shapes_grammar.canonicalize if shapes_grammar.is_shapes_vocabulary(words) else None
-        self.prompt_grammar: Callable[[str], str] | None = prompt_grammar
+        self.prompts = PromptReader(tokenizer, prompt_grammar)
+        self.prompt_grammar: Callable[[str], str] | None = self.prompts.grammar
         self.device = device
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -101,29 +100,10 @@ class Pipeline:
 
     # --- the stepwise contract ----------------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.encode(
-            prompt if self.prompt_grammar is None else self.prompt_grammar(prompt), param="prompt"
-        )
-        if len(ids) == 1:  # BOS alone is the unconditional prompt: it would draw a random scene
-            raise InvalidRequestError(
-                f"prompt has no words (only punctuation or spaces): {prompt[:40]!r}", param="prompt"
-            )
-        return ids
-
     def prepare(self, request: ResolvedRequest, *, request_id: str | None = None) -> list[GenerationJob]:
         """The request's ``n`` jobs (image ``i`` seeded ``seed + i``); rows: cond, then uncond when
         ``guidance_scale != 1``. Tokenizes only; raises InvalidRequestError (``.param`` names the field)."""
-        cond_ids = self._prompt_ids(request.prompt)
-        rows_ids = [("cond", cond_ids)]
-        if request.guidance_scale != 1.0:
-            negative = request.negative_prompt
-            uncond = (
-                self.tokenizer.null_ids
-                if negative is None
-                else self.tokenizer.encode(negative, param="negative_prompt")
-            )
-            rows_ids.append(("uncond", uncond))
+        rows_ids = self.prompts.rows(request)
         target_len = self.model.config.num_image_tokens(request.height, request.width)
         rows = tuple(GenerationRow(role, tuple(ids), target_len) for role, ids in rows_ids)
         times = tuple(euler_times(request.num_inference_steps).tolist())

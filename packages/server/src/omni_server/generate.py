@@ -26,6 +26,7 @@ from omni_models import (
     InvalidRequestError,
     ModelInfo,
     ModelSpec,
+    PromptReader,
     ResolvedRequest,
     decode_input_image,
     resolve_request,
@@ -144,9 +145,12 @@ def request_from_args(args: Namespace, info: ModelInfo, config: ServerConfig) ->
         guidance_scale_2=getattr(args, "guidance_scale_2", None),
     )
     try:
-        return resolve_request(info, request, default_cache=config.default_step_cache())
+        resolved = resolve_request(info, request, default_cache=config.default_step_cache())
+        if info.vocabulary:  # a closed vocabulary: its words are checked here too, not after a load
+            PromptReader.from_info(info).rows(resolved)
     except InvalidRequestError as exc:
         raise GenerateError(f"{REQUEST_FLAGS.get(exc.param, exc.param)}: {exc}") from None
+    return resolved
 
 
 def read_input_image(path: str, config: ServerConfig) -> InputImage:

@@ -76,7 +76,7 @@ def info(
     max_sequence_length: int | None,
     settings: Mapping[str, Any] | None = None,
 ) -> ModelInfo:
-    base = flux.info(name, transformer_config, vae_config, max_sequence_length)
+    base = flux.info(name, transformer_config, vae_config, max_sequence_length, settings)
     dev = bool(transformer_config.get("guidance_embeds"))
     image = base.image
     assert image is not None

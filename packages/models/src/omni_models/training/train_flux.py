@@ -652,8 +652,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "device": _device_name(device),
-            "argv": sys.argv,
         },
+        # As typed, whichever way it was started (a script path, -m): the run is reproducible from it.
+        "command": "python -m omni_models.training.train_flux " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     phases: list[Phase] = []
 
