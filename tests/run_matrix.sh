@@ -87,8 +87,8 @@ fi
 # Building an environment is mostly unpacking wheels, testing is mostly CPU: two background jobs build the
 # environments (every other one each, in test order, so the two longest suites' environments come first, side by
 # side) while the tests of those already built run. pip does not byte-compile what it installs
-# (PIP_NO_COMPILE): compiling every module of torch, vLLM, transformers and diffusers costs about a CPU-minute per
-# environment, and the tests import a fraction of them (compiled on first import). Each build leaves PACKAGE.ok or
+# (PIP_NO_COMPILE): compiling the modules of torch, vLLM, transformers and diffusers alone takes 31 s of CPU per
+# environment here, and the tests import a fraction of them (compiled on first import). Each build leaves PACKAGE.ok or
 # PACKAGE.failed (with PACKAGE.log) in $built.
 built=$(mktemp -d)
 build_every_other() {  # build_every_other START: build packages START, START+2, ...

@@ -83,7 +83,6 @@ class Pipeline:
         self.offload = offload
         self.tokenizer = tokenizer
         self.prompts = PromptReader(tokenizer, prompt_grammar)
-        self.prompt_grammar: Callable[[str], str] | None = self.prompts.grammar
         self.device = device
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -97,6 +96,11 @@ class Pipeline:
         self._paged_kv: paged.PagedKV | None = None  # the bound caches plus the engine's row table
         # This rank's share of a multi-rank forward (omni_models.parallel.enable_parallel); None: one rank.
         self.parallel: ParallelState | None = None
+
+    @property
+    def prompt_grammar(self) -> Callable[[str], str] | None:
+        """The grammar prompts go through before tokenizing (``self.prompts.grammar``)."""
+        return self.prompts.grammar
 
     # --- the stepwise contract ----------------------------------------------------------------------------------
 
