@@ -47,13 +47,18 @@ install_carried_wheels() {
 # and so does every zip there (a stripped diffusers: benchmarks/README.md, "Compiled serving").
 if [ -d .whl ]; then install_carried_wheels; export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 for z in .whl/*.zip; do [ -e "$z" ] && export PYTHONPATH=$PWD/$z:$PYTHONPATH; done
+# The step cache's static mask at the 9 of 28 steps its `fast` preset computes on the trained FLUX-architecture
+# model (benchmarks/real_models.py FAST_ON_TRAINED): random weights never trip the residual test.
+FAST_MASK='{"method": "mask", "mask": [0, 1, 5, 8, 12, 16, 20, 24, 27], "first_blocks": 1, "max_consecutive_cached": null}'
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
 # A snapshot (benchmarks/README.md) names its commit in COMMIT; the device copy of a working tree has no .git.
 cat COMMIT >"$R/commit.txt" 2>/dev/null || git rev-parse --short HEAD >"$R/commit.txt" 2>/dev/null || echo "working tree, commit unknown" >"$R/commit.txt"
 for s in "${steps[@]}"; do
   case $s in
-    env) step env 30 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"' ;;
+    # Which of the server's and the families' packages the image has (the rest must be carried in .whl/).
+    env) step env 30 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"
+          python3 -c "import importlib.util as u; print({m: u.find_spec(m) is not None for m in \"anyio click h11 idna sniffio typing_extensions pydantic pydantic_core typing_inspection annotated_types fastapi starlette uvicorn multipart msgspec yaml prometheus_client PIL peft diffusers transformers av\".split()})"' ;;
     tests_kv) step tests_kv 120 python3 -m pytest tests/diffusion_kv -q -x -p no:cacheprovider ;;
     tests_other) step tests_other 80 python3 -m pytest tests/fp8_cache tests/dlo_offload -q -p no:cacheprovider ;;
     paged_attention) step paged_attention 300 python3 benchmarks/paged_attention.py --out "$R" ;;
@@ -97,6 +102,15 @@ for s in "${steps[@]}"; do
     # Issue 29: Wan2.1-1.3B at 832x480, 81 frames, 50 steps vs diffusers' WanPipeline (diffusers carried in .whl/);
     # the 14B: ms/step over 4 steps, resident vs layerwise offload, peak memory.
     video_wan) step video_wan 560 python3 benchmarks/video_wan.py --out "$R" ;;
+    # Issues 24 and 26 through the product: FLUX.1-dev size over HTTP, default flags and FP8 (1024^2, 5 repeats each),
+    # each also with the step cache's mask at the steps `fast` computes on the trained model (9 of 28), vs diffusers
+    # eager and compiled; cold and warm starts. Issue 28: the same for FLUX.1-Kontext edits (1024^2 in and out).
+    serving_flux) step serving_flux 560 python3 benchmarks/serving.py --out "$R/serving_flux" --work-dir /tmp \
+                    --sizes 1024 --concurrent 0 --configs default fp8 --request-cache "$FAST_MASK" \
+                    --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
+    serving_kontext) step serving_kontext 560 python3 benchmarks/serving.py --out "$R/serving_kontext" --work-dir /tmp \
+                       --family flux-kontext --sizes 1024 --concurrent 0 --configs default fp8 --no-diffusers-compile --no-warm-start \
+                       --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
     video_wan_14b) step video_wan_14b 560 python3 benchmarks/video_wan.py --size 14b --steps 4 --phases omni,offload --out "$R" ;;
     tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;

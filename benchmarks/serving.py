@@ -3,6 +3,7 @@
     python benchmarks/serving.py --out DIR                    # FLUX.1-dev size on the GPU (random bf16 weights)
     python benchmarks/serving.py --smoke --out DIR            # tiny random FLUX.1-dev on the CPU (checks the flow)
     python benchmarks/serving.py --smoke --device cuda --out DIR   # tiny, on a GPU: compiled serving end to end
+    python benchmarks/serving.py --family flux-kontext --sizes 1024 --out DIR   # edits (1024^2 in, 1024^2 out)
 
 1. A FLUX.1-dev-size checkpoint (``omni_models.synthetic``: the published transformer and VAE configs, CLIP-L
    whole, T5-XXL's width with ``--text-encoder-layers`` layers) is written once to ``--work-dir`` (reused when
@@ -17,6 +18,13 @@
    with 4 in flight (throughput against the one-at-a-time figure, p50/p99); ``/metrics`` (graphs compiled,
    recompiles since ready); then a restart over the same caches (warm start). Images are compared with
    diffusers' (PSNR, same seed).
+
+``--family flux-kontext`` times image edits instead: the same checkpoint's components under a
+``FluxKontextPipeline`` index (the FLUX.1-Kontext-dev architecture is FLUX.1-dev's), one deterministic input image
+of the output's size, ``POST /v1/images/edits`` (multipart, as the OpenAI SDK sends it) against diffusers'
+``FluxKontextPipeline(image=...)``. ``--request-cache JSON`` adds, per configuration, ``--repeats`` requests at the
+first size with that ``cache`` field (a step-cache preset or knobs), timed like the plain ones and compared with
+the plain image (PSNR), with the steps the cache computed (``usage.step_cache``).
 
 Every figure lands in ``DIR/serving.json`` (written after each phase; a phase that would not finish before
 ``--deadline`` seconds is skipped and says so). Target lines compare each figure with its baseline of this run.
@@ -49,6 +57,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import numpy as np  # noqa: E402
 
 PROMPT = "a red fox in the snow at night"
+EDIT_PROMPT = "make the fox blue"
+GUIDANCE = {"flux": 3.5, "flux-kontext": 2.5}  # FLUX.1-dev's and FLUX.1-Kontext-dev's published defaults
 CONFIG_FLAGS = {
     "default": [],
     "fp8": ["--quantization", "fp8"],
@@ -106,6 +116,7 @@ class Bench:
         self.started = time.monotonic()
         self.results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": {}}
         self.reference: dict[int, np.ndarray] = {}
+        self._edit_pngs: dict[int, bytes] = {}
 
     def left(self) -> float:
         return self.args.deadline - (time.monotonic() - self.started)
@@ -115,14 +126,32 @@ class Bench:
         self.results["elapsed_s"] = time.monotonic() - self.started
         (self.args.out / "serving.json").write_text(json.dumps(self.results, indent=1, default=str))
 
-    def request(self, size: int) -> dict[str, Any]:
-        return {
-            "prompt": PROMPT,
+    @property
+    def edits(self) -> bool:
+        return self.args.family == "flux-kontext"
+
+    def request(self, size: int, cache: Any = None) -> dict[str, Any]:
+        body = {
+            "prompt": EDIT_PROMPT if self.edits else PROMPT,
             "size": f"{size}x{size}",
             "num_inference_steps": self.args.steps,
-            "guidance_scale": 3.5,
+            "guidance_scale": GUIDANCE[self.args.family],
             "seed": 0,
         }
+        if cache is not None:
+            body["cache"] = cache
+        return body
+
+    @staticmethod
+    def input_image(size: int) -> Any:
+        """The edits' input: a deterministic smooth picture (a colour ramp with a disc) of ``size``^2."""
+        from PIL import Image
+
+        y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
+        disc = ((x - 0.5) ** 2 + (y - 0.55) ** 2 < 0.06).astype(np.float32)
+        rgb = np.stack([0.2 + 0.6 * x, 0.3 + 0.4 * y, 0.8 - 0.5 * x], axis=-1) * (1 - disc[..., None])
+        rgb += disc[..., None] * np.array([0.9, 0.4, 0.1], dtype=np.float32)
+        return Image.fromarray((rgb.clip(0, 1) * 255).astype(np.uint8))
 
     # --- the checkpoint ---------------------------------------------------------------------------------------
 
@@ -134,7 +163,7 @@ class Bench:
         directory = self.args.work_dir / ("flux-tiny" if self.args.smoke else "flux-dev-size")
         if (directory / "model_index.json").is_file():
             log(f"checkpoint: reusing {directory}")
-            return directory
+            return self.kontext_index(directory) if self.edits else directory
         start = time.monotonic()
         device = torch.device(self.args.device)
         components = synthetic.flux_components(
@@ -154,27 +183,49 @@ class Bench:
         size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
         self.results["checkpoint"] = {"build_s": built, "write_s": time.monotonic() - start - built, "bytes": size}
         log(f"checkpoint: {size / 2**30:.1f} GiB written in {time.monotonic() - start:.0f} s")
+        return self.kontext_index(directory) if self.edits else directory
+
+    @staticmethod
+    def kontext_index(flux: Path) -> Path:
+        """A ``FluxKontextPipeline`` checkpoint over ``flux``'s component folders (links, no copy)."""
+        directory = flux.with_name(flux.name + "-kontext")
+        directory.mkdir(exist_ok=True)
+        for part in flux.iterdir():
+            if part.is_dir() and not (directory / part.name).exists():
+                (directory / part.name).symlink_to(part.resolve(), target_is_directory=True)
+        index = json.loads((flux / "model_index.json").read_text())
+        index["_class_name"] = "FluxKontextPipeline"
+        (directory / "model_index.json").write_text(json.dumps(index, indent=2))
         return directory
 
     # --- diffusers, in this process ----------------------------------------------------------------------------
 
     def diffusers(self, directory: Path) -> None:
+        import diffusers
         import torch
-        from diffusers import FluxPipeline
 
         device = torch.device(self.args.device)
         dtype = torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16
-        pipe = FluxPipeline.from_pretrained(str(directory), torch_dtype=dtype).to(device)
+        cls = diffusers.FluxKontextPipeline if self.edits else diffusers.FluxPipeline
+        pipe = cls.from_pretrained(str(directory), torch_dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
 
         def image(size: int, steps: int) -> np.ndarray:
+            # omni draws the request's size (diffusers' max_area = that size) and resizes the reference as diffusers'
+            # auto-resize does at the checkpoint's native side (the smoke's tiny checkpoint: the input's own size).
+            edit = (
+                {"image": self.input_image(size), "max_area": size * size, "_auto_resize": not self.args.smoke}
+                if self.edits
+                else {}
+            )
             out = pipe(
-                PROMPT,
+                prompt=EDIT_PROMPT if self.edits else PROMPT,
                 height=size,
                 width=size,
                 num_inference_steps=steps,
-                guidance_scale=3.5,
+                guidance_scale=GUIDANCE[self.args.family],
                 generator=torch.Generator("cpu").manual_seed(0),
+                **edit,
             ).images[0]
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -260,20 +311,48 @@ class Bench:
             process.kill()
             process.wait(10)
 
-    @staticmethod
-    def post(port: int, body: dict[str, Any]) -> tuple[float, np.ndarray]:
+    def post(self, port: int, body: dict[str, Any]) -> tuple[float, np.ndarray]:
+        return self.post_usage(port, body)[:2]
+
+    def post_usage(self, port: int, body: dict[str, Any]) -> tuple[float, np.ndarray, dict[str, Any]]:
+        """One request: a JSON generation, or (``--family flux-kontext``) a multipart edit of ``input_image``, as the
+        OpenAI SDK sends it; returns the seconds, the image and the response's ``usage``."""
         from PIL import Image
 
+        if self.edits:
+            side = int(body["size"].split("x")[0])
+            if side not in self._edit_pngs:
+                buffer = io.BytesIO()
+                self.input_image(side).save(buffer, format="PNG")
+                self._edit_pngs[side] = buffer.getvalue()
+            boundary = "omni-serving-benchmark"
+            parts = [
+                f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n'
+                f"{json.dumps(v) if isinstance(v, dict) else v}\r\n".encode()
+                for k, v in body.items()
+            ]
+            parts.append(
+                f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n'
+                "Content-Type: image/png\r\n\r\n".encode()
+                + self._edit_pngs[side]
+                + b"\r\n"
+            )
+            payload = b"".join(parts) + f"--{boundary}--\r\n".encode()
+            path, headers = "/v1/images/edits", {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        else:
+            payload = json.dumps(body).encode()
+            path, headers = "/v1/images/generations", {"Content-Type": "application/json"}
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
         start = time.monotonic()
-        conn.request("POST", "/v1/images/generations", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, payload, headers)
         response = conn.getresponse()
         data = response.read()
         elapsed = time.monotonic() - start
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {data[:300]!r}")
-        png = base64.b64decode(json.loads(data)["data"][0]["b64_json"])
-        return elapsed, np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+        answer = json.loads(data)
+        png = base64.b64decode(answer["data"][0]["b64_json"])
+        return elapsed, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), answer.get("usage") or {}
 
     @staticmethod
     def metrics(port: int) -> dict[str, float]:
@@ -309,6 +388,8 @@ class Bench:
                     entry["serial"] = summary(times)
                     if size in self.reference and pixels is not None:
                         entry["psnr_vs_diffusers_db"] = psnr(pixels, self.reference[size])
+                    if self.args.request_cache is not None and size == self.args.sizes[0] and pixels is not None:
+                        entry["step_cache"] = self.cached_series(port, size, pixels)
                     if self.args.concurrent:
                         with concurrent.futures.ThreadPoolExecutor(4) as pool:
                             start = time.monotonic()
@@ -334,7 +415,7 @@ class Bench:
                 phase["metrics_after"] = self.metrics(port)
             finally:
                 self.stop_server(process)
-            if self.left() > 90:
+            if self.args.warm_start and self.left() > 90:
                 process, port, warm = self.start_server(directory, name, caches)
                 phase["warm_start_s"] = warm
                 log(f"omni {name}: warm start {warm:.1f} s")
@@ -350,12 +431,26 @@ class Bench:
             shutil.rmtree(caches, ignore_errors=True)
             self.save()
 
+    def cached_series(self, port: int, size: int, plain: np.ndarray) -> dict[str, Any]:
+        """``--repeats`` requests with ``--request-cache`` after one first request, against the plain ones."""
+        body = self.request(size, cache=self.args.request_cache)
+        self.post_usage(port, body)
+        times, usage, pixels = [], {}, plain
+        for _ in range(self.args.repeats):
+            elapsed, pixels, usage = self.post_usage(port, body)
+            times.append(elapsed)
+        out = {"cache": self.args.request_cache, "serial": summary(times), "psnr_vs_uncached_db": psnr(pixels, plain)}
+        out["usage_step_cache"] = usage.get("step_cache")
+        log(f"  with cache: {out['serial']['median']:.3f} s, PSNR vs uncached {out['psnr_vs_uncached_db']:.1f} dB")
+        return out
+
     # --- the run -----------------------------------------------------------------------------------------------
 
     def run(self) -> None:
         import torch
 
         self.results["device"] = torch.cuda.get_device_name() if self.args.device.startswith("cuda") else "cpu"
+        self.results["family"] = self.args.family
         self.results["torch"] = torch.__version__
         directory = self.checkpoint()
         self.save()
@@ -424,6 +519,11 @@ class Bench:
                             TARGETS["psnr_db"],
                         )
                     )
+            cached = phase.get("sizes", {}).get(first, {}).get("step_cache")
+            if cached:
+                plain = phase["sizes"][first]["serial"]["median"]
+                lines.append((f"{name} {first}^2 with the step cache (s)", cached["serial"]["median"], None))
+                lines.append((f"{name} step cache vs none, end to end (x)", plain / cached["serial"]["median"], None))
             if "metrics_after" in phase:
                 lines.append(
                     (f"{name} recompiles since ready", phase["metrics_after"].get("omni:recompiles_since_ready", -1), 0)
@@ -438,6 +538,8 @@ class Bench:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--family", choices=tuple(GUIDANCE), default="flux", help="flux-kontext: image edits")
+    parser.add_argument("--request-cache", type=json.loads, default=None, help="a step cache (JSON) to time too")
     parser.add_argument("--smoke", action="store_true", help="a tiny random checkpoint, 2 steps")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()))
@@ -448,6 +550,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["default", "fp8", "fp8-eager", "eager"], choices=CONFIG_FLAGS)
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--diffusers-compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True, help="restart, time it")
     parser.add_argument("--text-encoder-layers", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=400.0)
     parser.add_argument("--deadline", type=float, default=1e9, help="seconds the whole run may take")

@@ -15,8 +15,13 @@ end-to-end seconds per video with text encoding and VAE decode, and the peak dev
 - ``omni``: ``build_family_pipeline(wan.FAMILY, ...)`` over the same modules (the VAE tiled), eager, stepwise;
   its frames against diffusers' (PSNR);
 - ``cache``: omni with the step cache (``--cache``, default the ``fast`` preset); decisions and PSNR against omni;
+- ``compiled``: omni compiled as ``omni-server`` serves on CUDA by default (``FamilyPipeline.compile`` with the
+  default ``CompileSettings``: every block of every expert, inductor, symbolic shapes); one first video (the
+  compile, its seconds recorded) then the timed one; PSNR against omni;
+- ``compiled_cache``: the compiled pipeline with the step cache; PSNR against ``compiled``;
 - ``fp8``: omni with FP8 linears (``quantize_family_fp8``, the family's ignore list; the transformer is quantized in
-  place, so it runs after the phases above); PSNR against omni;
+  place, so it runs after the phases above); compiled afresh when ``compiled`` ran (the phase is then
+  ``fp8_compiled``, with its first video's seconds); PSNR against omni;
 - ``offload``: a fresh omni pipeline whose transformer (another random draw of the same architecture, built on the
   host: the one above is FP8 by now) keeps its blocks in host memory, streamed through two device slots
   (``dlo_offload``): device weight bytes, time and peak memory against ``omni`` (no PSNR: other weights).
@@ -40,7 +45,7 @@ import torch
 # This directory holds scripts named like omni's libraries (fp8_cache.py): keep them from shadowing the packages.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-PHASES = ("diffusers", "omni", "cache", "fp8", "offload")
+PHASES = ("diffusers", "omni", "cache", "compiled", "compiled_cache", "fp8", "offload")
 
 
 def synchronize(device: torch.device) -> None:
@@ -191,12 +196,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     built = components(args, device)
     videos: dict[str, Any] = {}
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"video_wan_{'smoke' if args.smoke else args.size}.json"
+
     def record(name: str, outcome: dict[str, Any], against: str | None = None) -> None:
         videos[name] = outcome.pop("video")
         if against is not None and against in videos:
             outcome[f"psnr_vs_{against}"] = psnr(videos[name].frames, videos[against].frames)
         results[name] = outcome
         print(name, json.dumps(outcome), flush=True)
+        path.write_text(json.dumps(results, indent=2))  # after every phase: a run cut short keeps what it finished
+
+    def compiled_run(cache: Any = None) -> dict[str, Any]:
+        from omni_models.compilation import compile_count
+
+        graphs = compile_count()
+        first = run_omni(pipe, request, device, cache=cache)
+        outcome = run_omni(pipe, request, device, cache=cache)
+        outcome.update(first_video_s=first["seconds"], graphs_compiled=compile_count() - graphs)
+        return outcome
 
     if "diffusers" in phases:
         record("diffusers", run_diffusers(built, request, device))
@@ -205,14 +223,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record("omni", run_omni(pipe, request, device), "diffusers")
     if "cache" in phases:
         record("cache", run_omni(pipe, request, device, cache=args.cache), "omni")
+    compiled = "compiled" in phases
+    if compiled:
+        from omni_models.compilation import CompileSettings
+
+        settings = CompileSettings(backend="aot_eager" if args.smoke else "inductor")  # smoke: traced, no codegen
+        pipe.compile(settings)
+        record("compiled", compiled_run(), "omni")
+        if "compiled_cache" in phases:
+            record("compiled_cache", compiled_run(cache=args.cache), "compiled")
     if "fp8" in phases:
         from omni_models.backends import wan
         from omni_models.integrations import quantize_family_fp8
 
+        if compiled:  # back to the plain blocks (compile_modules set an instance forward), then compile the FP8 ones
+            for block in pipe.backend.compile_targets():
+                del block.forward
+            torch._dynamo.reset()
         report = quantize_family_fp8(wan.FAMILY.declaration, pipe.transformer)
-        outcome = run_omni(pipe, request, device)
+        if compiled:
+            pipe.compile(settings)
+        outcome = compiled_run() if compiled else run_omni(pipe, request, device)
         outcome["fp8_linears"] = len(report.quantized)
-        record("fp8", outcome, "omni")
+        record("fp8_compiled" if compiled else "fp8", outcome, "omni")
     if "offload" in phases:
         from dlo_offload import enable_layerwise_offload
         from omni_models.backends import wan
@@ -230,11 +263,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outcome = run_omni(omni_pipeline(fresh, device, offload), request, device)
         outcome["device_weight_bytes"] = int(offload.resident_nbytes + 2 * offload.slot_nbytes)
         record("offload", outcome)
-    if "omni" in results and "diffusers" in results:
-        results["omni_vs_diffusers_step"] = results["diffusers"]["ms_per_step"] / results["omni"]["ms_per_step"]
-        results["omni_vs_diffusers_e2e"] = results["diffusers"]["seconds"] / results["omni"]["seconds"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"video_wan_{'smoke' if args.smoke else args.size}.json"
+    for name in ("omni", "cache", "compiled", "compiled_cache", "fp8", "fp8_compiled"):
+        if name in results and "diffusers" in results:
+            base = results["diffusers"]
+            results[f"{name}_vs_diffusers_step"] = base["ms_per_step"] / results[name]["ms_per_step"]
+            results[f"{name}_vs_diffusers_e2e"] = base["seconds"] / results[name]["seconds"]
+            print(f"{name} vs diffusers eager: {results[f'{name}_vs_diffusers_e2e']:.3f}x end to end")
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
     return results

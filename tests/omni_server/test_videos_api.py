@@ -262,7 +262,9 @@ def test_playground_shows_progress_and_plays_the_video(server, browser) -> None:
     driver.get(server.url + "/")
     WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "family").text == "(wan, wan2.1)")
     assert driver.find_element(By.ID, "frames").get_attribute("placeholder") == "9"
-    for field, value in (("prompt", "a red fox"), ("size", "48x32"), ("frames", "5"), ("steps", "40"), ("seed", "4")):
+    # 400 steps: the job must outlast several of the page's 250 ms polls for its progress to show. At 40 steps a
+    # quiet machine finished it between two polls (the page went from "Queued (0%)" straight to "Done").
+    for field, value in (("prompt", "a red fox"), ("size", "48x32"), ("frames", "5"), ("steps", "400"), ("seed", "4")):
         driver.find_element(By.ID, field).send_keys(value)
     driver.find_element(By.ID, "generate").click()
     seen: set[str] = set()
