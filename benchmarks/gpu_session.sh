@@ -38,8 +38,9 @@ step() {  # step NAME SECONDS COMMAND...
   [ -n "${CALL_BUDGET:-}" ] && pack
 }
 
-install_carried_wheels() {
-  [ -d /tmp/site ] || step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
+install_carried_wheels() {  # every call: a warm machine keeps /tmp/site from the last call, whose wheels may differ
+  rm -rf /tmp/site
+  step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
 
