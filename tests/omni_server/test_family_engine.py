@@ -181,6 +181,28 @@ def test_abort_and_a_failing_forward_fail_only_their_request(pipelines, monkeypa
     assert not engine.has_work()
 
 
+def test_the_warm_up_compiles_each_graph_serving_needs_once(family_dirs):
+    """Issue 24 (cold start): the engine's first warm-up request runs at a served size. At the smallest accepted
+    size (16x16: one image token on FLUX.1) dynamo specialized the sequence length to 1, and the one-row request
+    at the served size compiled both block classes again: 9 graphs where 7 do (one row: the double-stream block,
+    the single-stream block, the VAE decoder; two rows: those again, and the single-stream block once more for its
+    strided slices, RESULTS.md 2026-12-02c)."""
+    import torch._dynamo
+
+    import omni_models
+    from omni_models.compilation import compile_count
+    from omni_server.engine import EngineCore
+
+    torch._dynamo.reset()
+    try:
+        pipeline = omni_models.load(str(family_dirs["flux"]), compile=True, compile_backend="eager")
+        before = compile_count()
+        EngineCore(pipeline, build_config(None, model="unused", device="cpu"))
+        assert compile_count() - before == 7
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_compiled_pipeline_is_warmed_up_at_its_served_shapes_and_serving_then_compiles_nothing(family_dirs):
     """The engine's start-up (a warm-up that compiled graphs, so the served shapes as well) leaves nothing for
     requests of other sizes and row counts to compile: ``recompiles_since_ready`` stays 0 (``/metrics``)."""

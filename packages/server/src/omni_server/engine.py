@@ -154,15 +154,21 @@ def forward_isolating_failures(
 
 
 def warmup_request(info: ModelInfo, sequence_parallel_size: int = 1) -> GenerationRequest:
-    """The cheapest valid request of a model: the engine runs it through every path before reporting ready.
+    """The cheapest valid request of a model at a size it serves: the engine runs it through every path before
+    reporting ready.
 
-    Under Ulysses SP a family's image tokens must split evenly over the ranks: the side of a size range is then
-    ``sequence_parallel_size`` times its smallest (``sp**2`` tokens of 2x2 latent patches)."""
+    The smallest *served* size, not the smallest accepted one: a compiled family's first forward fixes what its
+    graphs specialize on, and at the smallest accepted side (16 on FLUX.1: one image token) the sequence length is
+    1, a value dynamo specializes; no served request reuses those graphs (on FLUX.1-Kontext the next warm-up
+    request compiled both block classes again). Under Ulysses SP a family's image tokens must split evenly over
+    the ranks: the side of a size range is then ``sequence_parallel_size`` times its smallest (``sp**2`` tokens of
+    2x2 latent patches)."""
     from omni_models import GenerationRequest
 
     if info.audio is not None:
         return GenerationRequest(prompt="warm up", lyrics="la", max_new_tokens=2, seed=0)
-    height, width = info.image.smallest_size()
+    sizes = info.image.sizes
+    height, width = min(sizes, key=lambda hw: hw[0] * hw[1]) if sizes else info.image.smallest_size()
     rule = info.image.size_range
     if rule is not None and sequence_parallel_size > 1:
         height = width = min(rule.min_side * sequence_parallel_size, rule.max_side)
