@@ -446,11 +446,21 @@ class Bench:
 
     # --- the run -----------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def preflight() -> None:
+        """Import what a server process imports (its web stack, diffusers), in a child with this environment,
+        before minutes go into the checkpoint and the baseline: a missing wheel is named at once."""
+        probe = "import omni_server.api, omni_server.serve, diffusers, uvicorn; diffusers.FluxKontextPipeline"
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ.copy())
+        if result.returncode != 0:
+            raise SystemExit(f"a server could not start here: {result.stderr.strip().splitlines()[-1]}")
+
     def run(self) -> None:
         import torch
 
         self.results["device"] = torch.cuda.get_device_name() if self.args.device.startswith("cuda") else "cpu"
         self.results["family"] = self.args.family
+        self.preflight()
         self.results["torch"] = torch.__version__
         directory = self.checkpoint()
         self.save()

@@ -343,3 +343,27 @@ def test_sequence_parallelism_is_refused_for_wan_by_name(wan21):
     with pytest.raises(ValueError, match="sequence parallelism applies to FLUX.1 among the families.*wan rows"):
         enable_family_parallel(wan21, ParallelState(sp_size=2))
     assert not omni_models.inspect(wan21.info.name).capabilities.sequence_parallel
+
+
+def test_the_video_benchmark_runs_every_phase_on_the_cpu(tmp_path) -> None:
+    """``benchmarks/video_wan.py --smoke``: every phase the H200 call runs (diffusers, eager, step cache, compiled as
+    served, compiled with the cache, FP8 compiled afresh, offload), on tiny configs, before device time goes in."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "video_wan.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "video_wan_smoke.json").read_text())
+    assert report["omni"]["psnr_vs_diffusers"] >= TARGET_DB
+    assert report["compiled"]["graphs_compiled"] >= 1 and report["compiled"]["psnr_vs_omni"] >= TARGET_DB
+    assert report["compiled_cache"]["graphs_compiled"] == 0  # the cache's decisions compile nothing more
+    assert report["fp8_compiled"]["graphs_compiled"] >= 1 and report["fp8_compiled"]["fp8_linears"] > 0
+    assert report["offload"]["device_weight_bytes"] > 0

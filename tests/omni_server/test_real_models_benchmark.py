@@ -41,3 +41,21 @@ def test_the_engine_phase_reports_throughput_and_latency_percentiles(tmp_path) -
         latency = phase[f"{mode}_latency_s"]
         assert 0 < latency["p50"] <= latency["p99"] <= phase[f"{mode}_total_s"] + 1e-9
     assert "omni-server engine (throughput)" in result.stdout
+
+
+def test_the_serving_benchmark_times_edits_over_http_with_and_without_a_step_cache(tmp_path) -> None:
+    """``benchmarks/serving.py --family flux-kontext --request-cache`` on the CPU (the tiny checkpoint, a real
+    server process, multipart edits): what the H200 call runs, checked here before device time goes into it."""
+    script = SCRIPT.with_name("serving.py")
+    cache = '{"method": "mask", "mask": [0], "first_blocks": 1}'
+    command = [sys.executable, str(script), "--smoke", "--family", "flux-kontext", "--sizes", "32", "--repeats", "1"]
+    command += ["--concurrent", "0", "--configs", "default", "--no-warm-start", "--no-diffusers-compile"]
+    command += ["--request-cache", cache, "--work-dir", str(tmp_path), "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "serving.json").read_text())
+    entry = report["phases"]["omni_default"]["sizes"]["32"]
+    assert entry["psnr_vs_diffusers_db"] >= 40.0  # the served edit is diffusers' FluxKontextPipeline's image
+    (usage,) = entry["step_cache"]["usage_step_cache"]
+    assert usage["method"] == "mask" and usage["num_steps"] == 2
+    assert report["phases"]["omni_default"]["metrics_after"]["omni:recompiles_since_ready"] == 0
