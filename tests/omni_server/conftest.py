@@ -1,7 +1,7 @@
 """A real ``omni-server serve`` process on a loopback port, started once per test module.
 
 Every wait is bounded; teardown stops the server with SIGTERM (then SIGKILL) and
-checks that no process of its tree is left behind.
+checks that no process of its tree is left behind. This folder goes on ``sys.path`` for ``edit_inputs``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 START_TIMEOUT_S = 180.0
 

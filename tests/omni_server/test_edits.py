@@ -23,22 +23,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from edit_inputs import noise, png
 from PIL import Image
 
 diffusers = pytest.importorskip("diffusers")
 
 TARGET_DB = 40.0
 SERVER_FLAGS = ("--max-input-image-bytes", "20000", "--max-input-image-pixels", "4096", "--no-warmup")
-
-
-def _png(image: Image.Image, **save) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=save.pop("format", "PNG"), **save)
-    return buffer.getvalue()
-
-
-def _noise(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -88,26 +79,26 @@ def test_input_images_are_converted_where_faithful_and_refused_by_name_otherwise
     def decode(data: bytes, **limits):
         return decode_input_image(data, **{"max_bytes": 10**6, "max_pixels": 10**6, **limits})
 
-    rgb = _noise(8, 6, 0)
-    assert decode(_png(rgb)).to_pil().tobytes() == rgb.tobytes()
+    rgb = noise(8, 6, 0)
+    assert decode(png(rgb)).to_pil().tobytes() == rgb.tobytes()
     opaque = rgb.convert("RGBA")
-    assert decode(_png(opaque)).pixels == rgb.tobytes()  # fully opaque alpha is dropped
+    assert decode(png(opaque)).pixels == rgb.tobytes()  # fully opaque alpha is dropped
     gray16 = Image.fromarray(np.full((4, 4), 65535, dtype=np.uint16))
-    assert set(decode(_png(gray16)).pixels) == {255}  # 16-bit grayscale scaled to 8 bits, not clipped
-    cmyk = decode(_png(Image.new("CMYK", (4, 4), (0, 255, 255, 0)), format="JPEG", quality=100))
+    assert set(decode(png(gray16)).pixels) == {255}  # 16-bit grayscale scaled to 8 bits, not clipped
+    cmyk = decode(png(Image.new("CMYK", (4, 4), (0, 255, 255, 0)), format="JPEG", quality=100))
     assert cmyk.to_pil().getpixel((0, 0))[0] > 200  # CMYK red reads as RGB red
     transparent = opaque.copy()
     transparent.putpixel((0, 0), (0, 0, 0, 0))
-    frames = [_noise(4, 4, i) for i in range(2)]
+    frames = [noise(4, 4, i) for i in range(2)]
     animation = io.BytesIO()
     frames[0].save(animation, format="GIF", save_all=True, append_images=frames[1:])
     for data, limits, words in (
         (b"", {}, "empty"),
         (b"not an image at all", {}, "not an image"),
-        (_png(rgb)[:60], {}, "corrupt"),
-        (_png(rgb), {"max_bytes": 10}, "--max-input-image-bytes"),
-        (_png(rgb), {"max_pixels": 47}, "--max-input-image-pixels"),
-        (_png(transparent), {}, "transparent"),
+        (png(rgb)[:60], {}, "corrupt"),
+        (png(rgb), {"max_bytes": 10}, "--max-input-image-bytes"),
+        (png(rgb), {"max_pixels": 47}, "--max-input-image-pixels"),
+        (png(transparent), {}, "transparent"),
         (animation.getvalue(), {}, "animation"),
     ):
         with pytest.raises(InvalidRequestError, match=words) as raised:
@@ -133,10 +124,10 @@ def test_requests_with_images_are_checked_against_the_model(kontext_dir) -> None
 
     info = inspect(str(kontext_dir)).info
     assert ("image" in info.accepts, info.image.max_input_images, info.family) == (True, 4, "flux-kontext")
-    image = InputImage.from_pil(_noise(40, 24, 0))
+    image = InputImage.from_pil(noise(40, 24, 0))
     resolved = resolve_request(info, GenerationRequest(prompt="a cat", images=(image,)))
     assert (resolved.width, resolved.height) == (40, 24)  # size auto: the first input's, fitted to the model
-    large = InputImage.from_pil(_noise(301, 99, 0))
+    large = InputImage.from_pil(noise(301, 99, 0))
     resolved = resolve_request(info, GenerationRequest(prompt="a cat", images=(large,)))
     assert (resolved.width, resolved.height) == (64, 22)  # scaled into max_side 64, rounded to multiples of 2
     with pytest.raises(InvalidRequestError, match="at most 4") as raised:
@@ -158,7 +149,7 @@ def test_reference_is_encoded_once_per_request_shared_by_its_jobs_and_freed_at_r
     from omni_models import GenerationRequest, InputImage, load, resolve_request
 
     pipe = load(str(kontext_dir))
-    image = InputImage.from_pil(_noise(32, 32, 1))
+    image = InputImage.from_pil(noise(32, 32, 1))
     edit = pipe.prepare(resolve_request(pipe.info, GenerationRequest(prompt="a cat", n=2, images=(image,), seed=1)))
     text = pipe.prepare(resolve_request(pipe.info, GenerationRequest(prompt="a dog", seed=2)))
     assert edit[0].reference is edit[1].reference and text[0].reference is None
@@ -208,8 +199,8 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(kontext_server, reference, t
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{kontext_server.url}/v1", api_key="unused", timeout=300)
-    one = _noise(40, 24, 3)
-    left, right = _noise(16, 32, 4), _noise(16, 32, 5)
+    one = noise(40, 24, 3)
+    left, right = noise(16, 32, 4), noise(16, 32, 5)
     results: dict[str, object] = {}
 
     def run(key: str, call) -> None:
@@ -218,7 +209,7 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(kontext_server, reference, t
     calls = {
         # one image, size auto, n=2, true CFG through omni's extensions
         "one": lambda: client.images.edit(
-            image=("one.png", _png(one), "image/png"),
+            image=("one.png", png(one), "image/png"),
             prompt="a red circle",
             n=2,
             size="auto",
@@ -234,7 +225,7 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(kontext_server, reference, t
         ),
         # two images (image[]), an explicit size
         "two": lambda: client.images.edit(
-            image=[("l.png", _png(left), "image/png"), ("r.png", _png(right), "image/png")],
+            image=[("l.png", png(left), "image/png"), ("r.png", png(right), "image/png")],
             prompt="a blue square",
             size="48x32",
             extra_body={"num_inference_steps": 2, "seed": 9},
@@ -282,7 +273,7 @@ def test_edits_refuse_what_they_cannot_honour_by_name(kontext_server) -> None:
     from openai import BadRequestError, OpenAI
 
     client = OpenAI(base_url=f"{kontext_server.url}/v1", api_key="unused", timeout=60)
-    image = ("a.png", _png(_noise(32, 32, 0)), "image/png")
+    image = ("a.png", png(noise(32, 32, 0)), "image/png")
     for kwargs, param in (
         ({"mask": image}, "mask"),
         ({"response_format": "url"}, "response_format"),
@@ -296,8 +287,8 @@ def test_edits_refuse_what_they_cannot_honour_by_name(kontext_server) -> None:
         ({"extra_body": {"num_inference_step": 2}}, "num_inference_step"),
         ({"extra_body": {"seed": "x"}}, "seed"),
         ({"image": [image] * 5}, "image"),
-        ({"image": ("big.png", _png(_noise(100, 100, 1)), "image/png")}, "image"),  # > 20000 bytes
-        ({"image": ("wide.png", _png(_noise(65, 64, 1)), "image/png")}, "image"),  # > 4096 pixels
+        ({"image": ("big.png", png(noise(100, 100, 1)), "image/png")}, "image"),  # > 20000 bytes
+        ({"image": ("wide.png", png(noise(65, 64, 1)), "image/png")}, "image"),  # > 4096 pixels
         ({"image": ("x.png", b"GIF89a broken", "image/png")}, "image"),
     ):
         with pytest.raises(BadRequestError) as raised:
@@ -313,10 +304,10 @@ def test_edits_refuse_what_they_cannot_honour_by_name(kontext_server) -> None:
         ):
             response = http.post("/v1/images/edits", data=data, files=files_)
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
-        transparent = _noise(8, 8, 0).convert("RGBA")
+        transparent = noise(8, 8, 0).convert("RGBA")
         transparent.putpixel((0, 0), (0, 0, 0, 0))
         response = http.post(
-            "/v1/images/edits", data={"prompt": "x"}, files=[("image", ("t.png", _png(transparent), "image/png"))]
+            "/v1/images/edits", data={"prompt": "x"}, files=[("image", ("t.png", png(transparent), "image/png"))]
         )
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == "image" and "transparent" in error["message"]
@@ -330,10 +321,10 @@ def test_edits_run_the_step_cache_as_the_engine_level_path_does(kontext_server, 
     from omni_models import GenerationRequest, InputImage, load, resolve_request
 
     client = OpenAI(base_url=f"{kontext_server.url}/v1", api_key="unused", timeout=300)
-    image = _noise(32, 32, 11)
+    image = noise(32, 32, 11)
     cache = {"method": "mask", "mask": "medium", "warmup_steps": 1}
     raw = client.images.with_raw_response.edit(
-        image=("a.png", _png(image), "image/png"),
+        image=("a.png", png(image), "image/png"),
         prompt="a red circle",
         extra_body={"num_inference_steps": 6, "seed": 5, "cache": json.dumps(cache)},
     )
@@ -352,7 +343,7 @@ def test_edits_run_the_step_cache_as_the_engine_level_path_does(kontext_server, 
     _check(tools.psnr, "kontext edit with a step cache vs the pipeline's", served, pipe.decode(jobs))
     for extra, param in (({"cache": "fastest"}, "cache"), ({"cache": "{not json"}, "cache")):
         with pytest.raises(BadRequestError) as raised:
-            client.images.edit(image=("a.png", _png(image), "image/png"), prompt="x", extra_body=extra)
+            client.images.edit(image=("a.png", png(image), "image/png"), prompt="x", extra_body=extra)
         assert raised.value.body["param"] == param, raised.value.body
 
 
@@ -362,8 +353,8 @@ def test_edits_with_a_lora_adapter_draw_what_diffusers_draws_with_it(kontext_ser
     from openai import BadRequestError, NotFoundError, OpenAI
 
     client = OpenAI(base_url=f"{kontext_server.url}/v1", api_key="unused", timeout=300)
-    image = _noise(32, 32, 12)
-    kwargs = dict(image=("a.png", _png(image), "image/png"), prompt="a blue square")
+    image = noise(32, 32, 12)
+    kwargs = dict(image=("a.png", png(image), "image/png"), prompt="a blue square")
     body = {"num_inference_steps": 2, "seed": 3}
     edited = _decoded(client.images.edit(model="shift", **kwargs, extra_body={**body, "lora_scale": 0.7}))
     base = _decoded(client.images.edit(**kwargs, extra_body=body))
@@ -385,7 +376,7 @@ def test_edits_with_a_lora_adapter_draw_what_diffusers_draws_with_it(kontext_ser
 
 
 def test_generate_cli_edits_two_images_like_diffusers(kontext_dir, reference, tools, tmp_path) -> None:
-    left, right = _noise(16, 32, 6), _noise(16, 32, 7)
+    left, right = noise(16, 32, 6), noise(16, 32, 7)
     left.save(tmp_path / "left.png")
     right.save(tmp_path / "right.png")
     out = tmp_path / "out.png"
@@ -445,7 +436,7 @@ def test_playground_uploads_images_shows_the_edit_and_keeps_it_with_its_inputs(
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    image = _noise(32, 32, 8)
+    image = noise(32, 32, 8)
     image.save(tmp_path / "in.png")
     driver = browser
     driver.get(kontext_server.url + "/")

@@ -23,25 +23,15 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from edit_inputs import noise, png
 from PIL import Image
 
 diffusers = pytest.importorskip("diffusers")
 
 TARGET_DB = 40.0
 NATIVE = 64  # the tiny checkpoint's native side (VAE sample_size)
-
-
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _noise(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +136,7 @@ def test_processor_equals_transformers_torchvision_processor(edit_dir) -> None:
     )
     text = ["Picture 1: <|vision_start|><|image_pad|><|vision_end|>Picture 2: <|vision_start|><|image_pad|>"]
     for width, height in ((384, 384), (40, 24), (100, 60), (333, 500), (56, 56), (1000, 700), (13, 300)):
-        images = [_noise(width, height, 0), _noise(height, width, 1)]
+        images = [noise(width, height, 0), noise(height, width, 1)]
         a = real(text=text, images=images, return_tensors="pt")
         b = ours(text=text, images=images, return_tensors="pt")
         assert set(a) == set(b)
@@ -160,11 +150,11 @@ def test_image_conditioning_is_computed_once_per_request_and_freed(edit_dir) -> 
     pipe = load(str(edit_dir))
     info = pipe.info
     assert (info.family, info.image.min_input_images, info.image.max_input_images) == ("qwen-image-edit", 1, 3)
-    for images, words in (((), "image is required"), ((InputImage.from_pil(_noise(8, 8, 0)),) * 4, "at most 3")):
+    for images, words in (((), "image is required"), ((InputImage.from_pil(noise(8, 8, 0)),) * 4, "at most 3")):
         with pytest.raises(InvalidRequestError, match=words) as raised:
             resolve_request(info, GenerationRequest(prompt="a cat", images=images))
         assert raised.value.param == "image"
-    images = (InputImage.from_pil(_noise(40, 24, 1)), InputImage.from_pil(_noise(16, 32, 2)))
+    images = (InputImage.from_pil(noise(40, 24, 1)), InputImage.from_pil(noise(16, 32, 2)))
     resolved = resolve_request(info, GenerationRequest(prompt="a red cat", n=2, images=images, seed=1))
     assert (resolved.width, resolved.height, resolved.negative_prompt) == (40, 24, " ")  # size auto: the first's
     jobs = pipe.prepare(resolved)
@@ -221,13 +211,13 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(edit_server, reference, tool
     from openai import BadRequestError, NotFoundError, OpenAI
 
     client = OpenAI(base_url=f"{edit_server.url}/v1", api_key="unused", timeout=300)
-    one = _noise(40, 24, 3)
-    first, second = _noise(24, 24, 4), _noise(16, 32, 5)
+    one = noise(40, 24, 3)
+    first, second = noise(24, 24, 4), noise(16, 32, 5)
     results: dict[str, object] = {}
     calls = {
         # one image, size auto, n=2, the default true CFG (negative " ", scale 4)
         "one": lambda: client.images.edit(
-            image=("one.png", _png(one), "image/png"),
+            image=("one.png", png(one), "image/png"),
             prompt="a red circle",
             n=2,
             size="auto",
@@ -235,7 +225,7 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(edit_server, reference, tool
         ),
         # two images (image[]), an explicit size, omni's guidance extensions
         "two": lambda: client.images.edit(
-            image=[("a.png", _png(first), "image/png"), ("b.png", _png(second), "image/png")],
+            image=[("a.png", png(first), "image/png"), ("b.png", png(second), "image/png")],
             prompt="a blue square",
             size="48x32",
             extra_body={"num_inference_steps": 2, "seed": 9, "negative_prompt": "blurry", "guidance_scale": 3.0},
@@ -268,10 +258,10 @@ def test_openai_sdk_edits_draw_what_diffusers_draws(edit_server, reference, tool
         client.images.generate(prompt="a cat", size="32x32")
     assert raised.value.body["param"] == "image" and "image is required" in raised.value.body["message"]
     with pytest.raises(BadRequestError) as raised:
-        client.images.edit(image=[("a.png", _png(first), "image/png")] * 4, prompt="x")
+        client.images.edit(image=[("a.png", png(first), "image/png")] * 4, prompt="x")
     assert raised.value.body["param"] == "image"
     with pytest.raises(NotFoundError) as raised:  # a server without --enable-lora serves no adapter
-        client.images.edit(image=("a.png", _png(first), "image/png"), prompt="x", model="shift")
+        client.images.edit(image=("a.png", png(first), "image/png"), prompt="x", model="shift")
     assert raised.value.body["param"] == "model"
 
 
@@ -283,10 +273,10 @@ def test_an_edit_with_a_step_cache_draws_what_the_pipeline_draws_with_it(edit_se
     from omni_models import GenerationRequest, InputImage, load, resolve_request
 
     client = OpenAI(base_url=f"{edit_server.url}/v1", api_key="unused", timeout=300)
-    images = [_noise(24, 24, 41), _noise(16, 32, 42)]
+    images = [noise(24, 24, 41), noise(16, 32, 42)]
     cache = '{"method": "mask", "mask": "medium", "warmup_steps": 1}'
     raw = client.images.with_raw_response.edit(
-        image=[(f"{i}.png", _png(image), "image/png") for i, image in enumerate(images)],
+        image=[(f"{i}.png", png(image), "image/png") for i, image in enumerate(images)],
         prompt="a green cat",
         size="32x32",
         extra_body={"num_inference_steps": 6, "seed": 2, "cache": cache},
@@ -312,7 +302,7 @@ def test_an_edit_with_a_step_cache_draws_what_the_pipeline_draws_with_it(edit_se
 
 
 def test_generate_cli_edits_two_images_like_diffusers(edit_dir, reference, tools, tmp_path) -> None:
-    first, second = _noise(16, 32, 6), _noise(32, 16, 7)
+    first, second = noise(16, 32, 6), noise(32, 16, 7)
     first.save(tmp_path / "first.png")
     second.save(tmp_path / "second.png")
     out = tmp_path / "out.png"
@@ -369,7 +359,7 @@ def test_edits_under_layerwise_offload_and_fp8_equal_the_plain_edit(family, edit
     from omni_models import load
 
     directory = str(edit_dir if family == "qwen-image-edit" else kontext_dir)
-    images = [_noise(40, 24, 21), _noise(16, 32, 22)]
+    images = [noise(40, 24, 21), noise(16, 32, 22)]
     plain = _edit(load(directory), images)
     offloaded_pipe = load(directory, layerwise_offload=True)
     assert offloaded_pipe.offload is not None
@@ -399,7 +389,7 @@ def test_qwen_image_edit_v1_draws_what_diffusers_draws(tmp_path, monkeypatch, to
     directory = synthetic.save_checkpoint("qwen-image-edit", synthetic.qwen_image_edit_components("tiny"), tmp_path)
     pipe = load(str(directory))
     assert (pipe.info.variant, pipe.info.image.max_input_images) == ("qwen-image-edit", 1)
-    image = _noise(40, 24, 31)
+    image = noise(40, 24, 31)
     with pytest.raises(InvalidRequestError, match="at most 1") as raised:
         resolve_request(pipe.info, GenerationRequest(prompt="x", images=(InputImage.from_pil(image),) * 2))
     assert raised.value.param == "image"
