@@ -183,6 +183,29 @@ def test_a_small_request_overtakes_a_big_one_that_must_wait(engine) -> None:
     assert _blocks_in_use(engine) == 0
 
 
+def test_a_waiting_request_is_admitted_once_slow_encodes_free_the_pool_without_spinning(engine, monkeypatch) -> None:
+    """While a finished request's files encode (on the engine's threads) and another waits for its blocks, each
+    engine iteration waits for the next file. With a half-encoded request it waited on files already done, so the
+    loop spun: the 500 iterations below ran out before the encodes did (seen once in CI, under load)."""
+    import time
+
+    from omni_server import engine as engine_module
+
+    encode = engine_module.encode_output
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(0.15)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "encode_output", slow_encode)
+    big = _params(steps=1, n=6, guidance=4.0)  # 12 rows: the second must wait for the first's blocks
+    _add(engine, "first", big)
+    _add(engine, "second", big)
+    finished = {output.request_id: output for output in _run_until_idle(engine)}
+    assert set(finished) == {"first", "second"} and all(output.error is None for output in finished.values())
+    assert _blocks_in_use(engine) == 0
+
+
 def test_a_short_request_advances_in_every_forward_beside_a_long_one() -> None:
     """Row budget 4: a 2-step image finishes in 2 forwards while a 12-row request takes turns, none starving."""
     engine = build_engine(

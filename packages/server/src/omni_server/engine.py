@@ -365,8 +365,10 @@ class EngineCore:
         )
         if self._encoding and all(r.finished for r in self._running):
             # No running request has a step left: nothing to overlap the encodes with but admitting a waiting
-            # request, so wait for all of them (or, with requests waiting, for the first, rather than spin).
-            pending = [f for futures in self._encoding.values() for f in futures]
+            # request, so wait for all of them (or, with requests waiting, for the next to finish, rather than
+            # spin). Only the files still encoding count: a request half encoded has finished futures, and waiting
+            # for the "first completed" of those returns at once, every iteration.
+            pending = [f for futures in self._encoding.values() for f in futures if not f.done()]
             if self._strategy.occupancy().waiting:
                 concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
             else:
