@@ -308,6 +308,29 @@ def test_switching_and_mixing_adapters_never_recompiles(flux):
         torch._dynamo.reset()
 
 
+def test_an_eager_forward_without_adapters_launches_no_kernel(flux, monkeypatch):
+    """LoRA on, no row on an adapter, eager (``--enforce-eager``): the Triton path adds nothing and launches
+    nothing (2026-12-02c measured the launches alone at 1.155x the base step on the H200); the image is the base
+    one. One row on an adapter launches once per targeted linear."""
+    pytest.importorskip("triton")
+    from omni_models import lora as lora_module
+
+    kernels = lora_module._kernels()
+    launches = []
+    launch = kernels.lora_shrink_expand
+    monkeypatch.setattr(kernels, "lora_shrink_expand", lambda *args: launches.append(1) or launch(*args))
+    one_step = dict(COMMON, num_inference_steps=1)
+    base = flux("a red circle", seed=3, **one_step)[0]
+    flux.lora.backend = "triton"
+    try:
+        plain = flux("a red circle", seed=3, **one_step)[0]
+        assert launches == [] and np.array_equal(np.asarray(plain), np.asarray(base))
+        flux("a red circle", seed=3, lora="a", **one_step)
+        assert len(launches) > 0
+    finally:
+        flux.lora.backend = "auto"
+
+
 # --- bad adapters ----------------------------------------------------------------------------------------------
 
 

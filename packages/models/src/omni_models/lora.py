@@ -359,7 +359,10 @@ class LoRARuntime:
             rows = self._rows
             if rows is None:  # a forward outside ``rows()``: the base model alone
                 return output
-            if not self._triton and not rows.any_adapter:  # the kernels skip such rows themselves, in one graph
+            # No row has an adapter: nothing to add, no launch. A compiled graph keeps the kernels' op (they skip
+            # such rows themselves), so one graph serves batches with adapters and without them: the test on
+            # ``is_compiling`` comes first, so that dynamo never reads (and guards on) ``any_adapter``.
+            if not (self._triton and torch.compiler.is_compiling()) and not rows.any_adapter:
                 return output
             return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=self._triton)
 
