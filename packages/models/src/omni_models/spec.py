@@ -90,10 +90,14 @@ class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
 
         return side(height), side(width)
 
+    def smallest_listed_size(self) -> tuple[int, int]:
+        """The cheapest of ``sizes`` (a size the model serves: the engine's first warm-up request)."""
+        return min(self.sizes, key=lambda hw: hw[0] * hw[1])
+
     def smallest_size(self) -> tuple[int, int]:
-        """The cheapest accepted size (the engine's warm-up)."""
+        """The cheapest accepted size (an edit-only model's warm-up input image)."""
         if self.size_range is None:
-            return min(self.sizes, key=lambda hw: hw[0] * hw[1])
+            return self.smallest_listed_size()
         return self.size_range.min_side, self.size_range.min_side
 
     def largest_size(self) -> tuple[int, int]:

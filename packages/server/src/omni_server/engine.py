@@ -167,8 +167,7 @@ def warmup_request(info: ModelInfo, sequence_parallel_size: int = 1) -> Generati
 
     if info.audio is not None:
         return GenerationRequest(prompt="warm up", lyrics="la", max_new_tokens=2, seed=0)
-    sizes = info.image.sizes
-    height, width = min(sizes, key=lambda hw: hw[0] * hw[1]) if sizes else info.image.smallest_size()
+    height, width = info.image.smallest_listed_size()
     rule = info.image.size_range
     if rule is not None and sequence_parallel_size > 1:
         height = width = min(rule.min_side * sequence_parallel_size, rule.max_side)
