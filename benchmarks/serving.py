@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
+import functools
 import gc
 import http.client
 import io
@@ -116,7 +117,6 @@ class Bench:
         self.started = time.monotonic()
         self.results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": {}}
         self.reference: dict[int, np.ndarray] = {}
-        self._edit_pngs: dict[int, bytes] = {}
 
     def left(self) -> float:
         return self.args.deadline - (time.monotonic() - self.started)
@@ -141,6 +141,13 @@ class Bench:
         if cache is not None:
             body["cache"] = cache
         return body
+
+    @staticmethod
+    @functools.cache
+    def input_png(size: int) -> bytes:
+        buffer = io.BytesIO()
+        Bench.input_image(size).save(buffer, format="PNG")
+        return buffer.getvalue()
 
     @staticmethod
     def input_image(size: int) -> Any:
@@ -311,34 +318,17 @@ class Bench:
             process.kill()
             process.wait(10)
 
-    def post(self, port: int, body: dict[str, Any]) -> tuple[float, np.ndarray]:
-        return self.post_usage(port, body)[:2]
-
-    def post_usage(self, port: int, body: dict[str, Any]) -> tuple[float, np.ndarray, dict[str, Any]]:
-        """One request: a JSON generation, or (``--family flux-kontext``) a multipart edit of ``input_image``, as the
-        OpenAI SDK sends it; returns the seconds, the image and the response's ``usage``."""
+    def post(self, port: int, body: dict[str, Any]) -> tuple[float, np.ndarray, dict[str, Any]]:
+        """One request: a JSON generation, or (``--family flux-kontext``) a multipart edit of ``input_image``,
+        encoded by httpx as the OpenAI SDK sends it; returns the seconds, the image and the response's ``usage``."""
+        import httpx
         from PIL import Image
 
         if self.edits:
-            side = int(body["size"].split("x")[0])
-            if side not in self._edit_pngs:
-                buffer = io.BytesIO()
-                self.input_image(side).save(buffer, format="PNG")
-                self._edit_pngs[side] = buffer.getvalue()
-            boundary = "omni-serving-benchmark"
-            parts = [
-                f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n'
-                f"{json.dumps(v) if isinstance(v, dict) else v}\r\n".encode()
-                for k, v in body.items()
-            ]
-            parts.append(
-                f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n'
-                "Content-Type: image/png\r\n\r\n".encode()
-                + self._edit_pngs[side]
-                + b"\r\n"
-            )
-            payload = b"".join(parts) + f"--{boundary}--\r\n".encode()
-            path, headers = "/v1/images/edits", {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+            fields = {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in body.items()}
+            image = ("in.png", self.input_png(int(body["size"].split("x")[0])), "image/png")
+            form = httpx.Request("POST", "http://omni/v1/images/edits", data=fields, files={"image": image})
+            payload, path, headers = form.read(), "/v1/images/edits", {"Content-Type": form.headers["Content-Type"]}
         else:
             payload = json.dumps(body).encode()
             path, headers = "/v1/images/generations", {"Content-Type": "application/json"}
@@ -380,12 +370,7 @@ class Bench:
                 phase["metrics_at_ready"] = self.metrics(port)
                 for size in self.args.sizes:
                     entry: dict[str, Any] = {}
-                    entry["first_request_s"], _ = self.post(port, self.request(size))
-                    times, pixels = [], None
-                    for _ in range(self.args.repeats):
-                        elapsed, pixels = self.post(port, self.request(size))
-                        times.append(elapsed)
-                    entry["serial"] = summary(times)
+                    entry["first_request_s"], entry["serial"], pixels, _ = self.series(port, self.request(size))
                     if size in self.reference and pixels is not None:
                         entry["psnr_vs_diffusers_db"] = psnr(pixels, self.reference[size])
                     if self.args.request_cache is not None and size == self.args.sizes[0] and pixels is not None:
@@ -420,7 +405,7 @@ class Bench:
                 phase["warm_start_s"] = warm
                 log(f"omni {name}: warm start {warm:.1f} s")
                 try:
-                    phase["warm_first_request_s"], _ = self.post(port, self.request(self.args.sizes[0]))
+                    phase["warm_first_request_s"] = self.post(port, self.request(self.args.sizes[0]))[0]
                     phase["warm_metrics"] = self.metrics(port)
                 finally:
                     self.stop_server(process)
@@ -431,15 +416,20 @@ class Bench:
             shutil.rmtree(caches, ignore_errors=True)
             self.save()
 
+    def series(self, port: int, body: dict[str, Any]) -> tuple[float, dict[str, Any], np.ndarray | None, dict]:
+        """One first request, then ``--repeats`` one at a time: the first's seconds, the repeats' summary, and the
+        last image and ``usage``."""
+        first = self.post(port, body)[0]
+        times, pixels, usage = [], None, {}
+        for _ in range(self.args.repeats):
+            elapsed, pixels, usage = self.post(port, body)
+            times.append(elapsed)
+        return first, summary(times), pixels, usage
+
     def cached_series(self, port: int, size: int, plain: np.ndarray) -> dict[str, Any]:
         """``--repeats`` requests with ``--request-cache`` after one first request, against the plain ones."""
-        body = self.request(size, cache=self.args.request_cache)
-        self.post_usage(port, body)
-        times, usage, pixels = [], {}, plain
-        for _ in range(self.args.repeats):
-            elapsed, pixels, usage = self.post_usage(port, body)
-            times.append(elapsed)
-        out = {"cache": self.args.request_cache, "serial": summary(times), "psnr_vs_uncached_db": psnr(pixels, plain)}
+        _, serial, pixels, usage = self.series(port, self.request(size, cache=self.args.request_cache))
+        out = {"cache": self.args.request_cache, "serial": serial, "psnr_vs_uncached_db": psnr(pixels, plain)}
         out["usage_step_cache"] = usage.get("step_cache")
         log(f"  with cache: {out['serial']['median']:.3f} s, PSNR vs uncached {out['psnr_vs_uncached_db']:.1f} dB")
         return out
@@ -450,7 +440,7 @@ class Bench:
     def preflight() -> None:
         """Import what a server process imports (its web stack, diffusers), in a child with this environment,
         before minutes go into the checkpoint and the baseline: a missing wheel is named at once."""
-        probe = "import omni_server.api, omni_server.serve, diffusers, uvicorn; diffusers.FluxKontextPipeline"
+        probe = "import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn; diffusers.FluxKontextPipeline"
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ.copy())
         if result.returncode != 0:
             raise SystemExit(f"a server could not start here: {result.stderr.strip().splitlines()[-1]}")
