@@ -236,9 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from omni_models.backends import wan
         from omni_models.integrations import quantize_family_fp8
 
-        if compiled:  # back to the plain blocks (compile_modules set an instance forward), then compile the FP8 ones
-            for block in pipe.backend.compile_targets():
-                del block.forward
+        if compiled:  # back to the plain blocks, then compile the FP8 ones
+            from omni_models.compilation import restore_modules
+
+            restore_modules(pipe.backend.compile_targets())
             torch._dynamo.reset()
         report = quantize_family_fp8(wan.FAMILY.declaration, pipe.transformer)
         if compiled:

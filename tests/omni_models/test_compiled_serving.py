@@ -146,3 +146,22 @@ def test_compile_options_are_checked_before_loading(flux_dev_dir) -> None:
         omni_models.load(str(flux_dev_dir), compile=True, compile_backend="tensorrt")
     with pytest.raises(ValueError, match="compile: a causal-prefix DiT compiles to CUDA graphs"):
         omni_models.load("omni-shapes-tiny", compile=True)
+
+
+def test_restored_modules_run_their_own_forward_again() -> None:
+    """``restore_modules`` undoes ``compile_modules`` (the video benchmark quantizes the blocks, then compiles them
+    afresh): no compiled forward, no pre-hook, the same output, and nothing compiled by the next call."""
+    import torch
+
+    from omni_models.compilation import CompileSettings, compile_count, compile_modules, restore_modules
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    x = torch.randn(3, 8)
+    expected = block(x)
+    assert compile_modules([block], CompileSettings(backend="eager")) == 1
+    assert torch.equal(block(x), expected) and "forward" in block.__dict__ and block._forward_pre_hooks
+    assert restore_modules([block]) == 1
+    assert "forward" not in block.__dict__ and not block._forward_pre_hooks
+    before = compile_count()
+    assert torch.equal(block(x), expected) and compile_count() == before
+    assert restore_modules([block]) == 0  # a module not compiled is left as it is

@@ -129,8 +129,21 @@ def compile_modules(modules: Sequence[Any], settings: CompileSettings) -> int:
     fx_config.use_duck_shape = False
     for module in modules:
         module.forward = torch.compile(module.forward, **settings.kwargs())
-        module.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
+        module._omni_plain_inputs = module.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
     return len(modules)
+
+
+def restore_modules(modules: Sequence[Any]) -> int:
+    """Undo ``compile_modules``: each module's own ``forward`` again, without the pre-hook; returns how many were
+    compiled. For changing what the modules hold (quantizing their linears, say) and compiling them afresh."""
+    restored = 0
+    for module in modules:
+        hook = module.__dict__.pop("_omni_plain_inputs", None)
+        if hook is not None:
+            hook.remove()
+            del module.forward
+            restored += 1
+    return restored
 
 
 def warmup_shapes(sizes: Sequence[tuple[int, int]], *, max_rows: int) -> list[tuple[int, tuple[int, int]]]:
@@ -145,6 +158,7 @@ __all__ = [
     "CompileSettings",
     "compile_count",
     "compile_modules",
+    "restore_modules",
     "use_compile_cache",
     "warmup_shapes",
 ]
