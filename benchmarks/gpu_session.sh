@@ -86,7 +86,7 @@ for s in "${steps[@]}"; do
     # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s); the 4 x 0.5 GB adapters go
     # to /tmp.
     lora) step lora 300 python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters \
-            --deadline "${LORA_DEADLINE:-200}" ;;
+            --deadline "${LORA_DEADLINE:-200}" ${LORA_FLAGS:-} ;;
     # Issue 26: the step cache's wall time, FLUX.1-dev size, 1024^2, 28 steps, eager; then compiled when 90 s of
     # CALL_BUDGET (default 400) are left after the eager configs.
     step_cache) step step_cache 200 python3 benchmarks/real_models.py --family flux --baseline none --phases step_cache \
@@ -106,8 +106,11 @@ for s in "${steps[@]}"; do
     # Issues 24 and 26 through the product: FLUX.1-dev size over HTTP, default flags and FP8 (1024^2, 5 repeats each),
     # each also with the step cache's mask at the steps `fast` computes on the trained model (9 of 28), vs diffusers
     # eager and compiled; cold and warm starts. Issue 28: the same for FLUX.1-Kontext edits (1024^2 in and out).
+    # SERVING_CONFIGS (default "default fp8") and SERVING_FLAGS (more serving.py flags, e.g. --no-baseline) split it
+    # over two calls: one server's cold start, repeats and warm start take about 300 s at this size.
     serving_flux) step serving_flux 560 python3 benchmarks/serving.py --out "$R/serving_flux" --work-dir /tmp \
-                    --sizes 1024 --concurrent 0 --configs default fp8 --request-cache "$FAST_MASK" \
+                    --sizes 1024 --concurrent 0 --configs ${SERVING_CONFIGS:-default fp8} --request-cache "$FAST_MASK" \
+                    ${SERVING_FLAGS:-} \
                     --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
     serving_kontext) step serving_kontext 560 python3 benchmarks/serving.py --out "$R/serving_kontext" --work-dir /tmp \
                        --family flux-kontext --sizes 1024 --concurrent 0 --configs default fp8 --no-diffusers-compile --no-warm-start \

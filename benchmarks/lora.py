@@ -15,10 +15,13 @@ one run, each against its baseline:
 - ``compiled`` (``--modes``; first by default, as it is what ``omni-server`` serves on CUDA): the same with every
   block compiled as serving compiles it (``omni_models.compilation.compile_modules`` with the default
   ``CompileSettings``: inductor, dynamic shapes), and the graphs dynamo compiles while the rows switch between
-  adapters and mixes: 0 once warm. The LoRA hooks are installed before the blocks compile (as ``omni_models.load``
-  does), and the base is the forward outside ``runtime.rows()``: dynamo does not guard on module hooks, so hooks
-  added after the first compiled call never run (the 2026-12-02c run measured exactly that, see RESULTS.md);
-  ``adapter_relative_change_of_output`` (> 0, equal across modes) shows that the adapter reached the output;
+  adapters and mixes: 0 once warm. The LoRA delta is traced into the blocks' graphs (``LoRARuntime.compiled_path =
+  "torch"``, the default); ``compiled_kernels`` is the same with the Triton pair as one opaque op in the graph
+  (``"kernels"``, what 2026-12-02e measured at 1.46x for one adapter). The LoRA hooks are installed before the
+  blocks compile (as ``omni_models.load`` does), and the base is the forward outside ``runtime.rows()``: dynamo does
+  not guard on module hooks, so hooks added after the first compiled call never run (the 2026-12-02c run measured
+  exactly that, see RESULTS.md); ``adapter_relative_change_of_output`` (> 0, equal across modes) shows that the
+  adapter reached the output;
 - adapter load: ``LoRARuntime.register`` (read, convert, check, host copy; the files' pages are dropped from the
   page cache first, so the read is from the disk) and the first slot fill (host to device).
 
@@ -173,6 +176,26 @@ def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
     compile_modules(blocks, CompileSettings(backend=backend))
 
 
+def profile_forwards(path: Path, device: torch.device, *forwards) -> None:
+    """torch.profiler's table (by device time, then host time) of one call of each of ``forwards``, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sections = []
+    for index, fn in enumerate(forwards):
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            fn()
+            synchronize(device)
+        table = prof.key_averages()
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        sections.append(f"=== forward {index} by device time ===\n{table.table(sort_by=sort, row_limit=25)}")
+        sections.append(
+            f"=== forward {index} by host time ===\n{table.table(sort_by='self_cpu_time_total', row_limit=15)}"
+        )
+    path.write_text("\n".join(sections))
+
+
 # FLUX.1-dev's target linears at 1024^2 (tokens, in, out): image-stream Q/K/V and the MLP of a double block, the
 # text stream, and a single block's fused projection.
 KERNEL_SHAPES = ((4096, 3072, 3072), (4096, 3072, 12288), (4096, 12288, 3072), (512, 3072, 3072), (4608, 15360, 3072))
@@ -253,7 +276,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--image-tokens", type=int, default=4096, help="1024x1024 in FLUX.1's 2x2-packed tokens")
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10, help="timed forwards per figure (each one repeat)")
-    parser.add_argument("--modes", nargs="+", choices=("compiled", "eager"), default=["compiled", "eager"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=("compiled", "compiled_kernels", "eager"), default=["compiled", "eager"]
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="per mode: torch.profiler's top ops of one base and one adapter forward"
+    )
     parser.add_argument("--adapter-dir", type=Path, default=None, help="where the adapters are written (OUT/adapters)")
     parser.add_argument("--kernel-check", action=argparse.BooleanOptionalAction, default=True, help="CUDA only")
     parser.add_argument("--deadline", type=float, default=None, help="seconds: start no mode after this")
@@ -335,8 +363,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 LoRAOptions(max_loras=4, max_rank=args.rank),
                 device=device,
                 dtype=dtype,
+                compiled_path="kernels" if mode == "compiled_kernels" else "torch",
             )
-            if mode == "compiled":
+            if mode.startswith("compiled"):
                 compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
                 # The base: forwards outside ``runtime.rows()``, where every hook returns the linear's output
                 # as it is, which dynamo traces away (the graph of a transformer without LoRA).
@@ -384,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 lora_out = transformer(**batches[1])[0].float()
             adapter_change = float((lora_out - base_out).norm() / base_out.norm())
             del base_out, lora_out
+            if args.profile:
+                profile_forwards(args.out / f"profile_{mode}.txt", device, forward(1), with_rows(1, [a]))
             # Switching and mixing once everything is warm: every row table a new tensor, slots rewritten in place.
             for rows in ([b], [None], [c], [d], [a, None, b, c], [d, d, None, a], [None] * 4):
                 with_rows(len(rows), rows)()

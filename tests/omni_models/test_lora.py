@@ -286,16 +286,22 @@ def test_a_compiled_pipeline_applies_its_adapters(flux_dev_dir, flux_adapters, f
         torch._dynamo.reset()
 
 
-def test_switching_and_mixing_adapters_never_recompiles(flux):
+@pytest.mark.parametrize("compiled_path", ["torch", "kernels"])
+def test_switching_and_mixing_adapters_never_recompiles(flux, compiled_path):
+    """Both compiled paths: the reference's ops traced into the graph (the default) and the Triton kernels
+    (interpreted here) as one opaque op. Every row table, with adapters or none, runs the one graph."""
     import torch._dynamo
 
+    if compiled_path == "kernels":
+        pytest.importorskip("triton")
     torch._dynamo.reset()
     block = flux.transformer.single_transformer_blocks[0]
     block.compile(backend="eager", dynamic=False)
-    flux.lora.backend = "triton"  # what CUDA serves: the kernels (interpreted here) as one op in the graph
+    flux.lora.backend = "triton" if compiled_path == "kernels" else "auto"
+    flux.lora.compiled_path = compiled_path
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            for adapters in (["a", "b"], ["b", None], [None, None]):
+            for adapters in ([None, None], ["a", "b"], ["b", None], [None, None]):
                 job_requests = [dict(prompt="a red circle", lora=name, seed=1, **COMMON) for name in adapters]
                 jobs = [
                     j for r in job_requests for j in flux.prepare(resolve_request(flux.info, GenerationRequest(**r)))
@@ -304,8 +310,18 @@ def test_switching_and_mixing_adapters_never_recompiles(flux):
                 flux.step(jobs)
     finally:
         flux.lora.backend = "auto"
+        flux.lora.compiled_path = "torch"
         block._compiled_call_impl = None
         torch._dynamo.reset()
+
+
+def test_compiled_path_is_checked():
+    runtime = LoRARuntime(
+        torch.nn.Linear(4, 4), lambda path: None, LoRAOptions(), device=torch.device("cpu"), dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match="compiled_path must be 'torch' or 'kernels'"):
+        runtime.compiled_path = "triton"
+    assert runtime.compiled_path == "torch"
 
 
 def test_an_eager_forward_without_adapters_launches_no_kernel(flux, monkeypatch):

@@ -3,8 +3,11 @@
 The base weights are never touched (bf16, FP8 linears from ``fp8_cache``, or blocks streamed by ``dlo_offload``):
 each target linear gets a forward hook that adds ``scale[row] * scaling[slot, module] * (x @ A[slot]^T) @
 B[slot]^T`` to its output, row by row (Punica's SGMV applied to the rows of a DiT batch: a row is one image's
-cond or uncond pass, so a segment is a whole row). ``lora_delta`` is the one op (a Triton shrink + expand kernel
-pair on CUDA, the torch reference elsewhere).
+cond or uncond pass, so a segment is a whole row). ``lora_add`` is the one op: eager, a Triton shrink + expand
+kernel pair on CUDA and the torch reference elsewhere; inside a compiled graph, ``LoRARuntime.compiled_path``
+says which (``"torch"``, the default: the reference's gather and two batched matmuls, traced into the block's
+graph so that inductor fuses the scale and the add into the ops around them; ``"kernels"``: the Triton pair as
+one opaque op).
 
 Invariants:
 - Fixed shapes. Every target linear owns ``max_loras`` device slots (``A: [max_loras, R, in]``, ``B:
@@ -44,6 +47,7 @@ from omni_models.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "torch", "triton"]
+CompiledPath = Literal["torch", "kernels"]
 MIN_PADDED_RANK = 16  # tl.dot needs at least 16 along every dimension
 
 
@@ -310,8 +314,10 @@ class LoRARuntime:
         device: torch.device,
         dtype: torch.dtype,
         backend: Backend = "auto",
+        compiled_path: CompiledPath = "torch",
     ) -> None:
         self.options = options
+        self.compiled_path = compiled_path
         self.rank = padded_rank(options.max_rank)
         self._read = read
         self._device = device
@@ -354,15 +360,31 @@ class LoRARuntime:
         self._triton = use_triton(backend, self._device)
         self._backend = backend
 
+    @property
+    def compiled_path(self) -> CompiledPath:
+        return self._compiled_path
+
+    @compiled_path.setter
+    def compiled_path(self, path: CompiledPath) -> None:
+        """What a compiled graph runs: ``"torch"`` (the reference's ops, traced) or ``"kernels"`` (the Triton pair
+        as one opaque op, where ``backend`` runs them; the reference otherwise). Set it before the first compiled
+        forward: dynamo reads it once, while tracing."""
+        if path not in ("torch", "kernels"):
+            raise ValueError(f"compiled_path must be 'torch' or 'kernels', got {path!r}")
+        self._compiled_path = path
+
     def _hook(self, slots: TargetSlots) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
         def add_lora(_module: nn.Module, args: tuple, output: Tensor) -> Tensor:
             rows = self._rows
             if rows is None:  # a forward outside ``rows()``: the base model alone
                 return output
-            # No row has an adapter: nothing to add, no launch. A compiled graph keeps the kernels' op (they skip
-            # such rows themselves), so one graph serves batches with adapters and without them: the test on
-            # ``is_compiling`` comes first, so that dynamo never reads (and guards on) ``any_adapter``.
-            if not (self._triton and torch.compiler.is_compiling()) and not rows.any_adapter:
+            # A compiled graph always adds the delta (zero for a row without an adapter), so one graph serves
+            # batches with adapters and without them: the test on ``is_compiling`` comes first, so that dynamo
+            # never reads (and guards on) ``any_adapter``.
+            if torch.compiler.is_compiling():
+                triton = self._triton and self._compiled_path == "kernels"
+                return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=triton)
+            if not rows.any_adapter:  # eager, no row has an adapter: nothing to add, no launch
                 return output
             return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=self._triton)
 
@@ -516,6 +538,7 @@ class LoRARuntime:
 
 
 __all__ = [
+    "CompiledPath",
     "LoRAAdapter",
     "LoRAError",
     "LoRALayer",
