@@ -89,6 +89,11 @@ class Timer:
         )
 
 
+# zlib level 1, not PIL's 6: on this machine a 1024^2 image took 43 ms instead of 69 ms (a smooth one; 268 vs 328 ms
+# for noise) for files up to 3x larger on smooth images and equal on detailed ones. A request waits for its PNG.
+PNG_COMPRESS_LEVEL = 1
+
+
 def encode_output(output: object, *, video_crf: int | None = None) -> bytes:
     """The file an output travels as: PNG for an image, WAV for a song, MP4 for a video (``omni_models.Video``:
     H.264 at its ``fps``, ``video_crf`` its quality, ``omni_server.video_io``)."""
@@ -101,7 +106,7 @@ def encode_output(output: object, *, video_crf: int | None = None) -> bytes:
 
         return encode_mp4(frames, output.fps, crf=DEFAULT_CRF if video_crf is None else video_crf)
     buffer = io.BytesIO()
-    output.save(buffer, format="PNG")
+    output.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
 
 
