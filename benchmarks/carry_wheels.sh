@@ -4,6 +4,9 @@
 #                                              # and FLUX.1-Kontext pipelines only)           ~5.3 MB
 #   bash benchmarks/carry_wheels.sh families   # in-process families, LoRA, video: msgspec, peft, diffusers (FLUX.1,
 #                                              # Qwen-Image, Wan pipelines)                   ~3.6 MB
+#   bash benchmarks/carry_wheels.sh video      # videos through omni-server: the serving set, PyAV, diffusers'
+#                                              # FLUX.1 and Wan pipelines                     ~45 MB: only with the
+#                                              # shipped weights out of the tree (benchmarks/README.md)
 # The working tree (about 61 MB) plus what a call carries must stay under 64 MiB counted as a tar archive, so
 # diffusers travels as a zip of the parts these pipelines import (checked on 2026-12-02: diffusers 0.42.1; PYTHON=...
 # with torch and transformers re-checks the imports here).
@@ -27,7 +30,12 @@ case $set_name in
   families)
     download msgspec peft "$DIFFUSERS"
     keep_pipelines="flux qwenimage wan"; flux_files=""; schedulers="" ;;
-  *) echo "unknown set $set_name (serving, families)"; exit 2 ;;
+  video)
+    download fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart \
+      opentelemetry-api annotated-doc msgspec av "$DIFFUSERS"
+    keep_pipelines="flux wan"; flux_files="__init__.py pipeline_flux.py pipeline_output.py"
+    schedulers="utils flow_match_euler_discrete unipc_multistep ddim dpmsolver_multistep euler_discrete" ;;
+  *) echo "unknown set $set_name (serving, families, video)"; exit 2 ;;
 esac
 mkdir "$work/d"
 (cd "$work/d" && python3 -m zipfile -e "$work"/w/diffusers-*.whl .)
@@ -55,6 +63,11 @@ cp "$work"/w/*.whl .whl/
 if [ -n "${PYTHON:-}" ]; then
   probe="import diffusers; diffusers.FluxPipeline; diffusers.FluxKontextPipeline; diffusers.FlowMatchEulerDiscreteScheduler"
   [ "$set_name" = families ] && probe="$probe; diffusers.WanPipeline; diffusers.QwenImagePipeline; diffusers.QwenImageEditPlusPipeline"
+  [ "$set_name" = video ] && probe="import diffusers; diffusers.FluxPipeline; diffusers.WanPipeline; diffusers.UniPCMultistepScheduler"
   PYTHONPATH=$PWD/.whl/diffusers.zip "$PYTHON" -c "$probe; import diffusers.loaders.lora_conversion_utils; from diffusers.loaders import FluxLoraLoaderMixin; print('diffusers imports: ok')"
 fi
 du -cb .whl/* | tail -1 | awk '{printf "%.2f MB in .whl/\n", $1 / 1e6}'
+# What a device call would carry: the tree's files that are here (a tracked file deleted from the working tree does
+# not travel) plus .whl/, as a tar archive; the limit is 64 MiB.
+git ls-files -z | xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' | tar --null -cf - -T - .whl | wc -c |
+  awk '{printf "%.1f MiB would travel (limit 64 MiB)\n", $1 / 2^20}'

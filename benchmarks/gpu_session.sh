@@ -115,6 +115,11 @@ for s in "${steps[@]}"; do
     serving_kontext) step serving_kontext 560 python3 benchmarks/serving.py --out "$R/serving_kontext" --work-dir /tmp \
                        --family flux-kontext --sizes 1024 --concurrent 0 --configs default fp8 --no-diffusers-compile --no-warm-start \
                        --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
+    # Issue 29 through the product: Wan2.1-1.3B over /v1/videos (PyAV carried: benchmarks/README.md, "Videos through
+    # the server"), 832x480, 81 frames, SERVING_STEPS steps (20), 5 repeats, vs diffusers' WanPipeline eager.
+    serving_wan) step serving_wan 560 python3 benchmarks/serving.py --family wan --out "$R/serving_wan" --work-dir /tmp \
+                   --concurrent 0 --steps "${SERVING_STEPS:-20}" --configs ${SERVING_CONFIGS:-default} --no-diffusers-compile \
+                   --no-warm-start --request-cache '"fast"' ${SERVING_FLAGS:-} --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
     video_wan_14b) step video_wan_14b 560 python3 benchmarks/video_wan.py --size 14b --steps 4 --phases omni,offload --out "$R" ;;
     tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;

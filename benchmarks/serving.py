@@ -4,6 +4,7 @@
     python benchmarks/serving.py --smoke --out DIR            # tiny random FLUX.1-dev on the CPU (checks the flow)
     python benchmarks/serving.py --smoke --device cuda --out DIR   # tiny, on a GPU: compiled serving end to end
     python benchmarks/serving.py --family flux-kontext --sizes 1024 --out DIR   # edits (1024^2 in, 1024^2 out)
+    python benchmarks/serving.py --family wan --out DIR       # Wan2.1-1.3B over /v1/videos, 832x480, 81 frames
 
 1. A FLUX.1-dev-size checkpoint (``omni_models.synthetic``: the published transformer and VAE configs, CLIP-L
    whole, T5-XXL's width with ``--text-encoder-layers`` layers) is written once to ``--work-dir`` (reused when
@@ -26,6 +27,14 @@ of the output's size, ``POST /v1/images/edits`` (multipart, as the OpenAI SDK se
 first size with that ``cache`` field (a step-cache preset or knobs), timed like the plain ones and compared with
 the plain image (PSNR), with the steps the cache computed (``usage.step_cache``).
 
+``--family wan`` times videos: Wan2.1-T2V-1.3B's released transformer and VAE configs (UMT5-XXL's width with
+``--text-encoder-layers`` layers), ``--sizes`` the widths (default 832) at ``--video-height`` (480) and
+``--frames`` (81), 50 steps, guidance 5.0; a request is ``POST /v1/videos`` (JSON), polled every 50 ms until
+``completed``, then ``GET /v1/videos/{id}/content``, timed from the POST to the last byte of the MP4; the MP4 is
+decoded again (PyAV, ``yuv420p``) and compared with diffusers' ``WanPipeline`` frames converted to ``yuv420p`` as
+the encoder converts them (PSNR: H.264's loss is in it, chroma subsampling is not). The
+server needs PyAV (``--family wan`` with ``carry_wheels.sh video``, benchmarks/README.md).
+
 Every figure lands in ``DIR/serving.json`` (written after each phase; a phase that would not finish before
 ``--deadline`` seconds is skipped and says so). Target lines compare each figure with its baseline of this run.
 """
@@ -42,6 +51,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -59,7 +69,8 @@ import numpy as np  # noqa: E402
 
 PROMPT = "a red fox in the snow at night"
 EDIT_PROMPT = "make the fox blue"
-GUIDANCE = {"flux": 3.5, "flux-kontext": 2.5}  # FLUX.1-dev's and FLUX.1-Kontext-dev's published defaults
+# FLUX.1-dev's, FLUX.1-Kontext-dev's and Wan2.1's published defaults
+GUIDANCE = {"flux": 3.5, "flux-kontext": 2.5, "wan": 5.0}
 CONFIG_FLAGS = {
     "default": [],
     "fp8": ["--quantization", "fp8"],
@@ -71,6 +82,7 @@ TARGETS = {
     "default_s_1024": 3.5,
     "fp8_s_1024": 2.5,
     "default_vs_diffusers_eager": 1.45,
+    "wan_default_vs_diffusers_eager": 1.3,
     "fp8_eager_vs_eager": 1.1,
     "psnr_db": 40.0,
     "cold_start_s": 120.0,
@@ -130,14 +142,29 @@ class Bench:
     def edits(self) -> bool:
         return self.args.family == "flux-kontext"
 
+    @property
+    def video(self) -> bool:
+        return self.args.family == "wan"
+
+    def label(self, size: int) -> str:
+        width, height = self.shape(size)
+        return f"{width}x{height}x{self.args.frames}" if self.video else f"{size}^2"
+
+    def shape(self, size: int) -> tuple[int, int]:
+        """(width, height) of a request at ``size``: a square image, or a video ``size`` wide."""
+        return (size, self.args.video_height) if self.video else (size, size)
+
     def request(self, size: int, cache: Any = None) -> dict[str, Any]:
+        width, height = self.shape(size)
         body = {
             "prompt": EDIT_PROMPT if self.edits else PROMPT,
-            "size": f"{size}x{size}",
+            "size": f"{width}x{height}",
             "num_inference_steps": self.args.steps,
             "guidance_scale": GUIDANCE[self.args.family],
             "seed": 0,
         }
+        if self.video:
+            body["num_frames"] = self.args.frames
         if cache is not None:
             body["cache"] = cache
         return body
@@ -167,22 +194,37 @@ class Bench:
 
         from omni_models import synthetic
 
-        directory = self.args.work_dir / ("flux-tiny" if self.args.smoke else "flux-dev-size")
+        family = "wan" if self.video else "flux"
+        name = {"flux": ("flux-tiny", "flux-dev-size"), "wan": ("wan-tiny", "wan2.1-1.3b-size")}[family]
+        directory = self.args.work_dir / name[0 if self.args.smoke else 1]
         if (directory / "model_index.json").is_file():
             log(f"checkpoint: reusing {directory}")
             return self.kontext_index(directory) if self.edits else directory
         start = time.monotonic()
         device = torch.device(self.args.device)
-        components = synthetic.flux_components(
-            "tiny" if self.args.smoke else "full",
-            guidance_embeds=True,
-            device=device,
-            dtype=torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16,
-            text_encoder_layers=self.args.text_encoder_layers,
-            words=PROMPT.split(),
-        )
+        dtype = torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16
+        if self.video:
+            components = synthetic.wan_components(
+                "wan2.1",
+                size="tiny" if self.args.smoke else "1.3b",
+                device=device,
+                dtype=dtype,
+                text_encoder_layers=self.args.text_encoder_layers,
+                words=PROMPT.split(),
+            )
+            # Wan's VAE runs in float32 (its code and diffusers' examples); nn.Module.to: diffusers' .to() warns
+            components["vae"] = torch.nn.Module.to(components["vae"], torch.float32)
+        else:
+            components = synthetic.flux_components(
+                "tiny" if self.args.smoke else "full",
+                guidance_embeds=True,
+                device=device,
+                dtype=dtype,
+                text_encoder_layers=self.args.text_encoder_layers,
+                words=PROMPT.split(),
+            )
         built = time.monotonic() - start
-        synthetic.save_checkpoint("flux", components, directory, max_shard_size="5GB")
+        synthetic.save_checkpoint(family, components, directory, max_shard_size="5GB")
         del components
         gc.collect()
         if device.type == "cuda":
@@ -213,11 +255,33 @@ class Bench:
 
         device = torch.device(self.args.device)
         dtype = torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16
-        cls = diffusers.FluxKontextPipeline if self.edits else diffusers.FluxPipeline
+        cls = {"flux": diffusers.FluxPipeline, "flux-kontext": diffusers.FluxKontextPipeline}.get(self.args.family)
+        if self.video:
+            cls = diffusers.WanPipeline
+            dtype = {"transformer": dtype, "text_encoder": dtype, "default": torch.float32}
         pipe = cls.from_pretrained(str(directory), torch_dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
 
         def image(size: int, steps: int) -> np.ndarray:
+            if self.video:
+                width, height = self.shape(size)
+                frames = pipe(
+                    prompt=PROMPT,
+                    height=height,
+                    width=width,
+                    num_frames=self.args.frames,
+                    num_inference_steps=steps,
+                    guidance_scale=GUIDANCE["wan"],
+                    generator=torch.Generator("cpu").manual_seed(0),
+                    output_type="np",
+                ).frames[0]
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                from omni_server.video_io import yuv420p
+
+                # omni_models.Video.from_float's rounding, then the encoder's RGB-to-yuv420p conversion: what the
+                # served MP4's decoded yuv420p frames compare with (chroma subsampling is not the server's error)
+                return yuv420p((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
             # omni draws the request's size (diffusers' max_area = that size) and resizes the reference as diffusers'
             # auto-resize does at the checkpoint's native side (the smoke's tiny checkpoint: the input's own size).
             edit = (
@@ -251,7 +315,7 @@ class Bench:
         for size in self.args.sizes:
             image(size, 2)  # warm-up
             phase["eager"][size] = timed(size, self.args.repeats)
-            log(f"diffusers eager {size}^2: {phase['eager'][size]['median']:.3f} s")
+            log(f"diffusers eager {self.label(size)}: {phase['eager'][size]['median']:.3f} s")
             self.save()
         if self.args.diffusers_compile and self.left() > 150:
             size = self.args.sizes[0]
@@ -261,8 +325,10 @@ class Bench:
             start = time.monotonic()
             image(size, self.args.steps)
             phase["compiled"] = {"first_image_s": time.monotonic() - start, size: timed(size, self.args.repeats)}
-            log(f"diffusers compiled {size}^2: {phase['compiled'][size]['median']:.3f} s")
-        pipe.transformer = pipe.vae = pipe.text_encoder = pipe.text_encoder_2 = None  # free the GPU memory
+            log(f"diffusers compiled {self.label(size)}: {phase['compiled'][size]['median']:.3f} s")
+        for part in ("transformer", "vae", "text_encoder", "text_encoder_2"):  # free the GPU memory
+            if hasattr(pipe, part):
+                setattr(pipe, part, None)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -286,11 +352,14 @@ class Bench:
             "--log-level",
             "info",
             *flags,
+            *shlex.split(self.args.server_args),
         ]
         if "--enforce-eager" not in flags and self.args.device.startswith("cuda"):
             command += ["--compile-cache-dir", str(caches / "compile")]
         if "fp8" in flags:
             command += ["--fp8-cache-dir", str(caches / "fp8")]
+        if self.video:
+            command += ["--video-dir", str(caches / "videos")]
         log_file = open(self.args.out / f"server-{name}.log", "ab")  # noqa: SIM115
         start = time.monotonic()
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -324,6 +393,8 @@ class Bench:
         import httpx
         from PIL import Image
 
+        if self.video:
+            return self.post_video(port, body)
         if self.edits:
             fields = {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in body.items()}
             image = ("in.png", self.input_png(int(body["size"].split("x")[0])), "image/png")
@@ -343,6 +414,36 @@ class Bench:
         answer = json.loads(data)
         png = base64.b64decode(answer["data"][0]["b64_json"])
         return elapsed, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), answer.get("usage") or {}
+
+    @staticmethod
+    def post_video(port: int, body: dict[str, Any]) -> tuple[float, np.ndarray, dict[str, Any]]:
+        """``POST /v1/videos``, ``GET /v1/videos/{id}`` every 50 ms until it ends, then its MP4: the seconds from
+        the POST to the MP4's last byte, the decoded frames (``yuv420p``, PyAV's planar ``(T, H * 3 // 2, W)``),
+        and the finished Video object."""
+        from omni_server.video_io import decode_mp4
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+
+        def call(method: str, path: str, payload: bytes | None = None) -> bytes:
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            conn.request(method, path, payload, headers)
+            response = conn.getresponse()
+            data = response.read()
+            if response.status != 200:
+                raise RuntimeError(f"{method} {path}: HTTP {response.status}: {data[:300]!r}")
+            return data
+
+        start = time.monotonic()
+        video = json.loads(call("POST", "/v1/videos", json.dumps(body).encode()))
+        while video["status"] not in ("completed", "failed"):
+            time.sleep(0.05)
+            video = json.loads(call("GET", f"/v1/videos/{video['id']}"))
+        if video["status"] == "failed":
+            raise RuntimeError(f"video {video['id']} failed: {video.get('error')}")
+        mp4 = call("GET", f"/v1/videos/{video['id']}/content")
+        elapsed = time.monotonic() - start
+        call("DELETE", f"/v1/videos/{video['id']}")
+        return elapsed, decode_mp4(mp4, pixel_format="yuv420p").frames, video
 
     @staticmethod
     def metrics(port: int) -> dict[str, float]:
@@ -391,7 +492,7 @@ class Bench:
                         entry["throughput_ratio"] = (self.args.concurrent / wall) / (1 / entry["serial"]["median"])
                     phase["sizes"][size] = entry
                     log(
-                        f"omni {name} {size}^2: {entry['serial']['median']:.3f} s "
+                        f"omni {name} {self.label(size)}: {entry['serial']['median']:.3f} s "
                         f"(first {entry['first_request_s']:.2f} s), x4 throughput "
                         f"{entry.get('throughput_ratio', float('nan')):.2f}, "
                         f"PSNR {entry.get('psnr_vs_diffusers_db', float('nan')):.1f} dB"
@@ -436,11 +537,12 @@ class Bench:
 
     # --- the run -----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def preflight() -> None:
+    def preflight(self) -> None:
         """Import what a server process imports (its web stack, diffusers), in a child with this environment,
         before minutes go into the checkpoint and the baseline: a missing wheel is named at once."""
         probe = "import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn; diffusers.FluxKontextPipeline"
+        if self.video:
+            probe = "import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn, av; diffusers.WanPipeline"
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ.copy())
         if result.returncode != 0:
             raise SystemExit(f"a server could not start here: {result.stderr.strip().splitlines()[-1]}")
@@ -481,17 +583,26 @@ class Bench:
         eager_ref = phases.get("diffusers", {}).get("eager", {}).get(first, {}).get("median")
         default = serial("omni_default", first)
         if default is not None:
-            lines.append((f"default flags {first}^2 end to end (s, <=)", default, TARGETS["default_s_1024"]))
+            flux = self.args.family == "flux"  # the FLUX.1-dev targets of issue 24; Wan2.1's of issue 29
+            lines.append(
+                (
+                    f"default flags {self.label(first)} end to end (s, <=)",
+                    default,
+                    TARGETS["default_s_1024"] if flux else None,
+                )
+            )
             if eager_ref:
+                target = TARGETS["default_vs_diffusers_eager"] if flux else TARGETS["wan_default_vs_diffusers_eager"]
                 lines.append(
-                    ("default vs diffusers eager (x, >=)", eager_ref / default, TARGETS["default_vs_diffusers_eager"])
+                    ("default vs diffusers eager (x, >=)", eager_ref / default, target if flux or self.video else None)
                 )
             compiled_ref = phases.get("diffusers", {}).get("compiled", {}).get(first, {}).get("median")
             if compiled_ref:
                 lines.append(("default vs diffusers compiled (x)", compiled_ref / default, None))
         fp8 = serial("omni_fp8", first)
         if fp8 is not None:
-            lines.append((f"--quantization fp8 {first}^2 end to end (s, <=)", fp8, TARGETS["fp8_s_1024"]))
+            target = TARGETS["fp8_s_1024"] if self.args.family == "flux" else None
+            lines.append((f"--quantization fp8 {self.label(first)} end to end (s, <=)", fp8, target))
         eager, fp8_eager = serial("omni_eager", first), serial("omni_fp8-eager", first)
         if eager and fp8_eager:
             lines.append(("FP8 eager vs bf16 eager (x, >=)", eager / fp8_eager, TARGETS["fp8_eager_vs_eager"]))
@@ -506,7 +617,7 @@ class Bench:
                 if "throughput_ratio" in entry and name == "omni_default":
                     lines.append(
                         (
-                            f"{name} {size}^2 4 concurrent throughput (x, >=)",
+                            f"{name} {self.label(size)} 4 concurrent throughput (x, >=)",
                             entry["throughput_ratio"],
                             TARGETS["concurrency"].get(size),
                         )
@@ -514,7 +625,7 @@ class Bench:
                 if "psnr_vs_diffusers_db" in entry and name in ("omni_default", "omni_eager"):
                     lines.append(
                         (
-                            f"{name} {size}^2 PSNR vs diffusers (dB, >=)",
+                            f"{name} {self.label(size)} PSNR vs diffusers (dB, >=)",
                             entry["psnr_vs_diffusers_db"],
                             TARGETS["psnr_db"],
                         )
@@ -522,7 +633,7 @@ class Bench:
             cached = phase.get("sizes", {}).get(first, {}).get("step_cache")
             if cached:
                 plain = phase["sizes"][first]["serial"]["median"]
-                lines.append((f"{name} {first}^2 with the step cache (s)", cached["serial"]["median"], None))
+                lines.append((f"{name} {self.label(first)} with the step cache (s)", cached["serial"]["median"], None))
                 lines.append((f"{name} step cache vs none, end to end (x)", plain / cached["serial"]["median"], None))
             if "metrics_after" in phase:
                 lines.append(
@@ -538,7 +649,11 @@ class Bench:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--family", choices=tuple(GUIDANCE), default="flux", help="flux-kontext: image edits")
+    parser.add_argument(
+        "--family", choices=tuple(GUIDANCE), default="flux", help="flux-kontext: image edits; wan: videos"
+    )
+    parser.add_argument("--video-height", type=int, default=None, help="wan: default 480 (smoke: 32)")
+    parser.add_argument("--frames", type=int, default=None, help="wan: default 81 (smoke: 5)")
     parser.add_argument("--request-cache", type=json.loads, default=None, help="a step cache (JSON) to time too")
     parser.add_argument("--smoke", action="store_true", help="a tiny random checkpoint, 2 steps")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
@@ -553,11 +668,21 @@ def main() -> None:
     parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True, help="restart, time it")
     parser.add_argument("--text-encoder-layers", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=400.0)
+    parser.add_argument("--server-args", default="", help='more flags for every server, e.g. "--video-crf 10"')
     parser.add_argument("--deadline", type=float, default=1e9, help="seconds the whole run may take")
     args = parser.parse_args()
     args.device = args.device or ("cpu" if args.smoke else "cuda")
-    args.sizes = args.sizes or ([32, 64] if args.smoke else [1024, 512, 256])
-    args.steps = args.steps or (2 if args.smoke else 28)
+    video = args.family == "wan"
+    args.video_height = args.video_height or (32 if args.smoke else 480)
+    args.frames = args.frames or (5 if args.smoke else 81)
+    default_sizes = {
+        (True, True): [48],
+        (True, False): [832],
+        (False, True): [32, 64],
+        (False, False): [1024, 512, 256],
+    }
+    args.sizes = args.sizes or default_sizes[(video, args.smoke)]
+    args.steps = args.steps or (2 if args.smoke else 50 if video else 28)
     args.out.mkdir(parents=True, exist_ok=True)
     Bench(args).run()
 

@@ -59,3 +59,22 @@ def test_the_serving_benchmark_times_edits_over_http_with_and_without_a_step_cac
     (usage,) = entry["step_cache"]["usage_step_cache"]
     assert usage["method"] == "mask" and usage["num_steps"] == 2
     assert report["phases"]["omni_default"]["metrics_after"]["omni:recompiles_since_ready"] == 0
+
+
+def test_the_serving_benchmark_times_videos_over_http_against_diffusers_wan(tmp_path) -> None:
+    """``benchmarks/serving.py --family wan`` on the CPU (a tiny random Wan2.1, a real server process writing MP4s
+    through PyAV): each request is a ``POST /v1/videos`` polled to its end and downloaded, and the decoded MP4 is
+    diffusers' ``WanPipeline`` video (in yuv420p, at ``--video-crf 10`` as ``test_videos_api`` compares)."""
+    pytest.importorskip("av")
+    script = SCRIPT.with_name("serving.py")
+    command = [sys.executable, str(script), "--smoke", "--family", "wan", "--repeats", "1", "--concurrent", "0"]
+    command += ["--configs", "default", "--no-warm-start", "--no-diffusers-compile", "--server-args", "--video-crf 10"]
+    command += ["--request-cache", '"fast"', "--work-dir", str(tmp_path), "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "serving.json").read_text())
+    assert report["phases"]["diffusers"]["eager"]["48"]["n"] == 1
+    entry = report["phases"]["omni_default"]["sizes"]["48"]
+    assert entry["psnr_vs_diffusers_db"] >= 40.0, entry
+    assert entry["step_cache"]["serial"]["n"] == 1
+    assert "omni_default 48x32x5 PSNR vs diffusers" in result.stdout
