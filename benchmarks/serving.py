@@ -540,9 +540,12 @@ class Bench:
     def preflight(self) -> None:
         """Import what a server process imports (its web stack, diffusers), in a child with this environment,
         before minutes go into the checkpoint and the baseline: a missing wheel is named at once."""
-        probe = "import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn; diffusers.FluxKontextPipeline"
+        pipeline = {"flux": "FluxPipeline", "flux-kontext": "FluxKontextPipeline", "wan": "WanPipeline"}[
+            self.args.family
+        ]
+        probe = f"import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn; diffusers.{pipeline}"
         if self.video:
-            probe = "import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn, av; diffusers.WanPipeline"
+            probe += "; import av"
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ.copy())
         if result.returncode != 0:
             raise SystemExit(f"a server could not start here: {result.stderr.strip().splitlines()[-1]}")
