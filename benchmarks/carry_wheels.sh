@@ -5,7 +5,7 @@
 #   bash benchmarks/carry_wheels.sh families   # in-process families, LoRA, video: msgspec, peft, diffusers (FLUX.1,
 #                                              # Qwen-Image, Wan pipelines)                   ~3.6 MB
 #   bash benchmarks/carry_wheels.sh video      # videos through omni-server: the serving set, PyAV, diffusers'
-#                                              # FLUX.1 and Wan pipelines                     ~45 MB: only with the
+#                                              # FLUX.1 and Wan pipelines                     ~41 MB: only with the
 #                                              # shipped weights out of the tree (benchmarks/README.md)
 # The working tree (about 61 MB) plus what a call carries must stay under 64 MiB counted as a tar archive, so
 # diffusers travels as a zip of the parts these pipelines import (checked on 2026-12-02: diffusers 0.42.1; PYTHON=...
@@ -33,8 +33,8 @@ case $set_name in
   video)
     download fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart \
       opentelemetry-api annotated-doc msgspec av "$DIFFUSERS"
-    keep_pipelines="flux wan"; flux_files="__init__.py pipeline_flux.py pipeline_output.py"
-    schedulers="utils flow_match_euler_discrete unipc_multistep ddim dpmsolver_multistep euler_discrete" ;;
+    keep_pipelines="flux wan"; flux_files="__init__.py pipeline_flux.py pipeline_flux_kontext.py pipeline_output.py"
+    schedulers="" ;;  # every scheduler: Wan's pipeline and omni's Wan backend import more than FLUX.1's
   *) echo "unknown set $set_name (serving, families, video)"; exit 2 ;;
 esac
 mkdir "$work/d"
