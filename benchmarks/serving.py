@@ -60,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,54 @@ import numpy as np  # noqa: E402
 
 PROMPT = "a red fox in the snow at night"
 EDIT_PROMPT = "make the fox blue"
-# FLUX.1-dev's, FLUX.1-Kontext-dev's and Wan2.1's published defaults
-GUIDANCE = {"flux": 3.5, "flux-kontext": 2.5, "wan": 5.0}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What ``--family`` sets: diffusers' pipeline (the baseline), the ``omni_models.synthetic`` checkpoint
+    written (its directory under ``--work-dir``: smoke, full size), the published guidance, the default sizes and
+    steps (smoke, full), and the issue's targets for the default flags (``None``: no target)."""
+
+    pipeline: str
+    checkpoint: str
+    directories: tuple[str, str]
+    guidance: float
+    sizes: tuple[tuple[int, ...], tuple[int, ...]]
+    steps: tuple[int, int]
+    seconds_target: float | None = None  # default flags, first size, end to end
+    vs_eager_target: float | None = None  # default flags against diffusers eager
+    fp8_seconds_target: float | None = None
+
+
+FLUX_DIRECTORIES, FLUX_SIZES = ("flux-tiny", "flux-dev-size"), ((32, 64), (1024, 512, 256))
+FAMILIES = {
+    # FLUX.1-dev: issue 24's targets
+    "flux": Family(
+        "FluxPipeline",
+        "flux",
+        FLUX_DIRECTORIES,
+        guidance=3.5,
+        sizes=FLUX_SIZES,
+        steps=(2, 28),
+        seconds_target=3.5,
+        vs_eager_target=1.45,
+        fp8_seconds_target=2.5,
+    ),
+    # FLUX.1-Kontext-dev edits: issue 28 set no speed target
+    "flux-kontext": Family(
+        "FluxKontextPipeline", "flux", FLUX_DIRECTORIES, guidance=2.5, sizes=FLUX_SIZES, steps=(2, 28)
+    ),
+    # Wan2.1-T2V-1.3B videos: issue 29's target
+    "wan": Family(
+        "WanPipeline",
+        "wan",
+        ("wan-tiny", "wan2.1-1.3b-size"),
+        guidance=5.0,
+        sizes=((48,), (832,)),
+        steps=(2, 50),
+        vs_eager_target=1.3,
+    ),
+}
 CONFIG_FLAGS = {
     "default": [],
     "fp8": ["--quantization", "fp8"],
@@ -79,10 +126,6 @@ CONFIG_FLAGS = {
 }
 # (what, figure key, baseline key, target, higher is better)
 TARGETS = {
-    "default_s_1024": 3.5,
-    "fp8_s_1024": 2.5,
-    "default_vs_diffusers_eager": 1.45,
-    "wan_default_vs_diffusers_eager": 1.3,
     "fp8_eager_vs_eager": 1.1,
     "psnr_db": 40.0,
     "cold_start_s": 120.0,
@@ -146,6 +189,10 @@ class Bench:
     def video(self) -> bool:
         return self.args.family == "wan"
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.args.family]
+
     def label(self, size: int) -> str:
         width, height = self.shape(size)
         return f"{width}x{height}x{self.args.frames}" if self.video else f"{size}^2"
@@ -160,7 +207,7 @@ class Bench:
             "prompt": EDIT_PROMPT if self.edits else PROMPT,
             "size": f"{width}x{height}",
             "num_inference_steps": self.args.steps,
-            "guidance_scale": GUIDANCE[self.args.family],
+            "guidance_scale": self.family.guidance,
             "seed": 0,
         }
         if self.video:
@@ -194,9 +241,7 @@ class Bench:
 
         from omni_models import synthetic
 
-        family = "wan" if self.video else "flux"
-        name = {"flux": ("flux-tiny", "flux-dev-size"), "wan": ("wan-tiny", "wan2.1-1.3b-size")}[family]
-        directory = self.args.work_dir / name[0 if self.args.smoke else 1]
+        directory = self.args.work_dir / self.family.directories[0 if self.args.smoke else 1]
         if (directory / "model_index.json").is_file():
             log(f"checkpoint: reusing {directory}")
             return self.kontext_index(directory) if self.edits else directory
@@ -224,7 +269,7 @@ class Bench:
                 words=PROMPT.split(),
             )
         built = time.monotonic() - start
-        synthetic.save_checkpoint(family, components, directory, max_shard_size="5GB")
+        synthetic.save_checkpoint(self.family.checkpoint, components, directory, max_shard_size="5GB")
         del components
         gc.collect()
         if device.type == "cuda":
@@ -255,11 +300,9 @@ class Bench:
 
         device = torch.device(self.args.device)
         dtype = torch.float32 if self.args.smoke and device.type == "cpu" else torch.bfloat16
-        cls = {"flux": diffusers.FluxPipeline, "flux-kontext": diffusers.FluxKontextPipeline}.get(self.args.family)
-        if self.video:
-            cls = diffusers.WanPipeline
+        if self.video:  # Wan's VAE in float32, as written
             dtype = {"transformer": dtype, "text_encoder": dtype, "default": torch.float32}
-        pipe = cls.from_pretrained(str(directory), torch_dtype=dtype).to(device)
+        pipe = getattr(diffusers, self.family.pipeline).from_pretrained(str(directory), torch_dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
 
         def image(size: int, steps: int) -> np.ndarray:
@@ -271,17 +314,18 @@ class Bench:
                     width=width,
                     num_frames=self.args.frames,
                     num_inference_steps=steps,
-                    guidance_scale=GUIDANCE["wan"],
+                    guidance_scale=self.family.guidance,
                     generator=torch.Generator("cpu").manual_seed(0),
                     output_type="np",
                 ).frames[0]
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+                from omni_models.video import Video
                 from omni_server.video_io import yuv420p
 
-                # omni_models.Video.from_float's rounding, then the encoder's RGB-to-yuv420p conversion: what the
-                # served MP4's decoded yuv420p frames compare with (chroma subsampling is not the server's error)
-                return yuv420p((np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8))
+                # omni's rounding to 8 bits, then the encoder's RGB-to-yuv420p conversion: what the served MP4's
+                # decoded yuv420p frames compare with (chroma subsampling is not the server's error)
+                return yuv420p(Video.from_float(frames, 16).frames)
             # omni draws the request's size (diffusers' max_area = that size) and resizes the reference as diffusers'
             # auto-resize does at the checkpoint's native side (the smoke's tiny checkpoint: the input's own size).
             edit = (
@@ -294,7 +338,7 @@ class Bench:
                 height=size,
                 width=size,
                 num_inference_steps=steps,
-                guidance_scale=GUIDANCE[self.args.family],
+                guidance_scale=self.family.guidance,
                 generator=torch.Generator("cpu").manual_seed(0),
                 **edit,
             ).images[0]
@@ -540,10 +584,9 @@ class Bench:
     def preflight(self) -> None:
         """Import what a server process imports (its web stack, diffusers), in a child with this environment,
         before minutes go into the checkpoint and the baseline: a missing wheel is named at once."""
-        pipeline = {"flux": "FluxPipeline", "flux-kontext": "FluxKontextPipeline", "wan": "WanPipeline"}[
-            self.args.family
-        ]
-        probe = f"import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn; diffusers.{pipeline}"
+        probe = (
+            f"import omni_server.api, omni_server.serve, diffusers, httpx, uvicorn; diffusers.{self.family.pipeline}"
+        )
         if self.video:
             probe += "; import av"
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ.copy())
@@ -586,25 +629,15 @@ class Bench:
         eager_ref = phases.get("diffusers", {}).get("eager", {}).get(first, {}).get("median")
         default = serial("omni_default", first)
         if default is not None:
-            flux = self.args.family == "flux"  # the FLUX.1-dev targets of issue 24; Wan2.1's of issue 29
-            lines.append(
-                (
-                    f"default flags {self.label(first)} end to end (s, <=)",
-                    default,
-                    TARGETS["default_s_1024"] if flux else None,
-                )
-            )
+            lines.append((f"default flags {self.label(first)} end to end (s, <=)", default, self.family.seconds_target))
             if eager_ref:
-                target = TARGETS["default_vs_diffusers_eager"] if flux else TARGETS["wan_default_vs_diffusers_eager"]
-                lines.append(
-                    ("default vs diffusers eager (x, >=)", eager_ref / default, target if flux or self.video else None)
-                )
+                lines.append(("default vs diffusers eager (x, >=)", eager_ref / default, self.family.vs_eager_target))
             compiled_ref = phases.get("diffusers", {}).get("compiled", {}).get(first, {}).get("median")
             if compiled_ref:
                 lines.append(("default vs diffusers compiled (x)", compiled_ref / default, None))
         fp8 = serial("omni_fp8", first)
         if fp8 is not None:
-            target = TARGETS["fp8_s_1024"] if self.args.family == "flux" else None
+            target = self.family.fp8_seconds_target
             lines.append((f"--quantization fp8 {self.label(first)} end to end (s, <=)", fp8, target))
         eager, fp8_eager = serial("omni_eager", first), serial("omni_fp8-eager", first)
         if eager and fp8_eager:
@@ -653,7 +686,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
-        "--family", choices=tuple(GUIDANCE), default="flux", help="flux-kontext: image edits; wan: videos"
+        "--family", choices=tuple(FAMILIES), default="flux", help="flux-kontext: image edits; wan: videos"
     )
     parser.add_argument("--video-height", type=int, default=None, help="wan: default 480 (smoke: 32)")
     parser.add_argument("--frames", type=int, default=None, help="wan: default 81 (smoke: 5)")
@@ -661,8 +694,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny random checkpoint, 2 steps")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="default 1024 512 256 (smoke: 32 64)")
-    parser.add_argument("--steps", type=int, default=None, help="default 28 (smoke: 2)")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="default: FLUX.1 1024 512 256 (smoke: 32 64), Wan 832 (48)"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="default: FLUX.1 28, Wan 50 (smoke: 2)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrent", type=int, default=4, help="requests sent with 4 in flight; 0: none")
     parser.add_argument("--configs", nargs="+", default=["default", "fp8", "fp8-eager", "eager"], choices=CONFIG_FLAGS)
@@ -675,17 +710,11 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=1e9, help="seconds the whole run may take")
     args = parser.parse_args()
     args.device = args.device or ("cpu" if args.smoke else "cuda")
-    video = args.family == "wan"
+    family, full = FAMILIES[args.family], int(not args.smoke)
     args.video_height = args.video_height or (32 if args.smoke else 480)
     args.frames = args.frames or (5 if args.smoke else 81)
-    default_sizes = {
-        (True, True): [48],
-        (True, False): [832],
-        (False, True): [32, 64],
-        (False, False): [1024, 512, 256],
-    }
-    args.sizes = args.sizes or default_sizes[(video, args.smoke)]
-    args.steps = args.steps or (2 if args.smoke else 50 if video else 28)
+    args.sizes = args.sizes or list(family.sizes[full])
+    args.steps = args.steps or family.steps[full]
     args.out.mkdir(parents=True, exist_ok=True)
     Bench(args).run()
 
