@@ -20,10 +20,12 @@ download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$work/w" "$@"
 }
+# The server's web stack and what fastapi 0.165 imports that the image lacks, plus msgspec.
+web_stack="fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart
+  opentelemetry-api annotated-doc msgspec"
 case $set_name in
   serving)
-    download fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart \
-      opentelemetry-api annotated-doc msgspec "$DIFFUSERS"
+    download $web_stack "$DIFFUSERS"
     keep_pipelines="flux"; flux_files="__init__.py pipeline_flux.py pipeline_flux_kontext.py pipeline_output.py"
     schedulers="utils flow_match_euler_discrete unipc_multistep ddim dpmsolver_multistep edm_dpmsolver_multistep
       euler_ancestral_discrete euler_discrete heun_discrete lms_discrete pndm consistency_decoder" ;;
@@ -31,8 +33,7 @@ case $set_name in
     download msgspec peft "$DIFFUSERS"
     keep_pipelines="flux qwenimage wan"; flux_files=""; schedulers="" ;;
   video)
-    download fastapi starlette pydantic pydantic-core typing-inspection annotated-types uvicorn python-multipart \
-      opentelemetry-api annotated-doc msgspec av "$DIFFUSERS"
+    download $web_stack av "$DIFFUSERS"
     keep_pipelines="flux wan"; flux_files="__init__.py pipeline_flux.py pipeline_flux_kontext.py pipeline_output.py"
     schedulers="" ;;  # every scheduler: Wan's pipeline and omni's Wan backend import more than FLUX.1's
   *) echo "unknown set $set_name (serving, families, video)"; exit 2 ;;
@@ -68,6 +69,6 @@ if [ -n "${PYTHON:-}" ]; then
 fi
 du -cb .whl/* | tail -1 | awk '{printf "%.2f MB in .whl/\n", $1 / 1e6}'
 # What a device call would carry: the tree's files that are here (a tracked file deleted from the working tree does
-# not travel) plus .whl/, as a tar archive; the limit is 64 MiB.
-git ls-files -z | xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' | tar --null -cf - -T - .whl | wc -c |
+# not travel, and tar skips it) plus .whl/, as a tar archive; the limit is 64 MiB.
+git ls-files -z | tar --null --ignore-failed-read -cf - -T - .whl 2>/dev/null | wc -c |
   awk '{printf "%.1f MiB would travel (limit 64 MiB)\n", $1 / 2^20}'
