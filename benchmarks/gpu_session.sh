@@ -91,6 +91,10 @@ for s in "${steps[@]}"; do
     # CALL_BUDGET (default 400) are left after the eager configs.
     step_cache) step step_cache 200 python3 benchmarks/real_models.py --family flux --baseline none --phases step_cache \
                   --repeats 1 --step-cache-repeats 5 --step-cache-compiled --deadline $(( ${CALL_BUDGET:-400} - SECONDS - 90 )) --out "$R" ;;
+    # Issue 26 on Qwen-Image (50 steps, true CFG, eager): off against the mask of the 15 of 50 steps `fast`
+    # computes on the trained model at 50 steps (benchmarks/real_models.py FAST_ON_TRAINED), 5 images each.
+    step_cache_qwen) step step_cache_qwen 300 python3 benchmarks/real_models.py --family qwen-image --baseline none \
+                       --phases step_cache --repeats 1 --step-cache-repeats 5 --step-cache-configs off fast_mask --out "$R" ;;
     real_qwen) step real_qwen 560 python3 benchmarks/real_models.py --family qwen-image --out "$R" ;;
     # Shorter re-measurements of omni's own phases (no diffusers run for FLUX; Qwen keeps diffusers eager and
     # compiled as the baseline for the ragged-attention change), FP8 online so no 24-41 GB checkpoint is written.

@@ -15,9 +15,12 @@ one run, each against its baseline:
 - ``compiled`` (``--modes``; first by default, as it is what ``omni-server`` serves on CUDA): the same with every
   block compiled as serving compiles it (``omni_models.compilation.compile_modules`` with the default
   ``CompileSettings``: inductor, dynamic shapes), and the graphs dynamo compiles while the rows switch between
-  adapters and mixes: 0 once warm. The LoRA delta is traced into the blocks' graphs (``LoRARuntime.compiled_path =
-  "torch"``, the default); ``compiled_kernels`` is the same with the Triton pair as one opaque op in the graph
-  (``"kernels"``, what 2026-12-02e measured at 1.46x for one adapter). The LoRA hooks are installed before the
+  adapters and mixes: 0 once warm. The LoRA delta is traced into the blocks' graphs on the row path
+  (``LoRARuntime.compiled_path = "torch"``, the default: one copy of every row's adapter per forward, two batched
+  matmuls per linear); ``compiled_reference`` traces the per-linear gather of the slot weights instead
+  (``"reference"``, the default of 2026-12-02f, 1.157x for one adapter), ``compiled_kernels`` puts the Triton pair
+  in the graph as one opaque op (``"kernels"``, 1.46x in 2026-12-02e). A forward without an adapter runs the
+  graphs without the LoRA ops (the base's). The LoRA hooks are installed before the
   blocks compile (as ``omni_models.load`` does), and the base is the forward outside ``runtime.rows()``: dynamo does
   not guard on module hooks, so hooks added after the first compiled call never run (the 2026-12-02c run measured
   exactly that, see RESULTS.md); ``adapter_relative_change_of_output`` (> 0, equal across modes) shows that the
@@ -277,7 +280,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10, help="timed forwards per figure (each one repeat)")
     parser.add_argument(
-        "--modes", nargs="+", choices=("compiled", "compiled_kernels", "eager"), default=["compiled", "eager"]
+        "--modes",
+        nargs="+",
+        choices=("compiled", "compiled_reference", "compiled_kernels", "eager"),
+        default=["compiled", "eager"],
     )
     parser.add_argument(
         "--profile", action="store_true", help="per mode: torch.profiler's top ops of one base and one adapter forward"
@@ -363,9 +369,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 LoRAOptions(max_loras=4, max_rank=args.rank),
                 device=device,
                 dtype=dtype,
-                compiled_path="kernels" if mode == "compiled_kernels" else "torch",
+                compiled_path={"compiled_kernels": "kernels", "compiled_reference": "reference"}.get(mode, "torch"),
             )
             if mode.startswith("compiled"):
+                runtime.compiled = True  # as FamilyPipeline.compile sets it
                 compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
                 # The base: forwards outside ``runtime.rows()``, where every hook returns the linear's output
                 # as it is, which dynamo traces away (the graph of a transformer without LoRA).

@@ -97,7 +97,12 @@ TARGETS = {
 BATCHED_REQUESTS = 4
 # The steps the ``fast`` preset computed on the trained omni-flux-shapes-tiny, 28 steps (every image of
 # benchmarks/results/2026-12-02/step-cache/composition.json: CCSSSCSSCSSSCSSSCSSSCSSSCSSC, 9 of 28).
-FAST_ON_TRAINED = {("flux", 28): [0, 1, 5, 8, 12, 16, 20, 24, 27]}
+# At 50 steps (Qwen-Image's default; benchmarks/results/2026-12-02g/composition_50_steps.json, the same 4 scenes):
+# two patterns, 15 of 50 steps each; this is the second scenes' (CCSCSSSC...SSSCSC).
+FAST_ON_TRAINED = {
+    ("flux", 28): [0, 1, 5, 8, 12, 16, 20, 24, 27],
+    ("qwen-image", 50): [0, 1, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 49],
+}
 STEP_CACHE_SPEEDUP_TARGET = 1.8
 
 
@@ -722,7 +727,8 @@ class Bench:
         if "offload" in phases:  # before compiling: offload's hooks must run outside compiled blocks
             self.offload(components, build, omni_pixels)
         if "step_cache" in phases:
-            self.step_cache(pipe)
+            names = self.args.step_cache_configs
+            self.step_cache(pipe, names=None if names is None else tuple(names))
             past = self.args.deadline is not None and time.perf_counter() - self.started > self.args.deadline
             if self.args.step_cache_compiled and not past:
                 from omni_models.compilation import CompileSettings, compile_modules
@@ -847,6 +853,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--offload-batched-steps", type=int, default=8, help="steps per request in the offload_batched phase"
     )
     parser.add_argument("--step-cache-repeats", type=int, default=5, help="timed requests per step-cache config")
+    parser.add_argument(
+        "--step-cache-configs",
+        nargs="+",
+        choices=("off", "fast_mask", "fast", "safe"),
+        default=None,
+        help="step_cache: only these configs (default: all four)",
+    )
     parser.add_argument(
         "--step-cache-compiled",
         action="store_true",

@@ -286,10 +286,11 @@ def test_a_compiled_pipeline_applies_its_adapters(flux_dev_dir, flux_adapters, f
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiled_path", ["torch", "kernels"])
+@pytest.mark.parametrize("compiled_path", ["torch", "reference", "kernels"])
 def test_switching_and_mixing_adapters_never_recompiles(flux, compiled_path):
-    """Both compiled paths: the reference's ops traced into the graph (the default) and the Triton kernels
-    (interpreted here) as one opaque op. Every row table, with adapters or none, runs the one graph."""
+    """Every compiled path: the row path traced into the graph (the default), the per-linear reference, and the
+    Triton kernels (interpreted here) as one opaque op. Once both graphs ran (a forward without an adapter and one
+    under ``warming()``, as the engine warms up), every row table, with adapters or none, runs one of them."""
     import torch._dynamo
 
     if compiled_path == "kernels":
@@ -299,18 +300,26 @@ def test_switching_and_mixing_adapters_never_recompiles(flux, compiled_path):
     block.compile(backend="eager", dynamic=False)
     flux.lora.backend = "triton" if compiled_path == "kernels" else "auto"
     flux.lora.compiled_path = compiled_path
+    flux.lora.compiled = True
+
+    def step(adapters):
+        job_requests = [dict(prompt="a red circle", lora=name, seed=1, **COMMON) for name in adapters]
+        jobs = [j for r in job_requests for j in flux.prepare(resolve_request(flux.info, GenerationRequest(**r)))]
+        flux.start(jobs)
+        flux.step(jobs)
+        return [job.latents for job in jobs]
+
     try:
+        plain = step([None, None])
+        with flux.lora.warming():  # the LoRA path with a zero delta: the base output exactly
+            assert all(torch.equal(a, b) for a, b in zip(step([None, None]), plain, strict=True))
         with torch._dynamo.config.patch(error_on_recompile=True):
-            for adapters in ([None, None], ["a", "b"], ["b", None], [None, None]):
-                job_requests = [dict(prompt="a red circle", lora=name, seed=1, **COMMON) for name in adapters]
-                jobs = [
-                    j for r in job_requests for j in flux.prepare(resolve_request(flux.info, GenerationRequest(**r)))
-                ]
-                flux.start(jobs)
-                flux.step(jobs)
+            for adapters in (["a", "b"], ["b", None], [None, None], ["a", "a"]):
+                step(adapters)
     finally:
         flux.lora.backend = "auto"
         flux.lora.compiled_path = "torch"
+        flux.lora.compiled = False
         block._compiled_call_impl = None
         torch._dynamo.reset()
 
@@ -319,7 +328,7 @@ def test_compiled_path_is_checked():
     runtime = LoRARuntime(
         torch.nn.Linear(4, 4), lambda path: None, LoRAOptions(), device=torch.device("cpu"), dtype=torch.float32
     )
-    with pytest.raises(ValueError, match="compiled_path must be 'torch' or 'kernels'"):
+    with pytest.raises(ValueError, match=r"compiled_path must be one of \['torch', 'kernels', 'reference'\]"):
         runtime.compiled_path = "triton"
     assert runtime.compiled_path == "torch"
 

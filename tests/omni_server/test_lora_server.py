@@ -211,6 +211,61 @@ def test_engine_mixes_adapters_in_each_step_bitwise_under_batch_invariant(family
     assert min(figures) >= 40.0, figures
 
 
+def test_a_compiled_engine_warms_the_lora_graphs_and_adapters_then_compile_nothing(family_dirs, adapters) -> None:
+    """Compiled (dynamo's eager backend here; inductor on CUDA), a forward with an adapter runs other graphs than
+    one without (those skip the LoRA ops). The warm-up runs every served shape both ways, so mixing adapters,
+    scales and none afterwards compiles nothing (``recompiles_since_ready`` 0), and the images are the eager
+    engine's."""
+    import torch._dynamo
+
+    import omni_models
+    from omni_models import GenerationRequest, LoRAOptions, resolve_request
+    from omni_server.config import build_config
+    from omni_server.engine import EngineCore
+    from omni_server.protocol import RequestFinished
+
+    config = build_config(None, model="unused", device="cpu")
+
+    def images(pipeline, engine) -> dict[str, bytes]:
+        for index, body in enumerate(MIXED):
+            request = GenerationRequest(
+                prompt=body["prompt"],
+                lora=body.get("model"),
+                lora_scale=body.get("lora_scale"),
+                height=32,
+                width=32,
+                num_inference_steps=STEPS,
+                seed=5,
+            )
+            engine.add(str(index), resolve_request(pipeline.info, request))
+        out: dict[str, bytes] = {}
+        while len(out) < len(MIXED):
+            for message in engine.step():
+                if isinstance(message, RequestFinished):
+                    assert message.error is None, message.error
+                    out[message.request_id] = message.outputs[0]
+        return out
+
+    def load(**options):
+        pipeline = omni_models.load(str(family_dirs["flux"]), lora=LoRAOptions(max_loras=2, max_rank=8), **options)
+        for name in ("a", "b"):
+            pipeline.lora.register(name, adapters[name])
+        return pipeline
+
+    eager = load()
+    expected = images(eager, EngineCore(eager, msgspec.structs.replace(config, warmup=False)))
+    torch._dynamo.reset()
+    try:
+        compiled = load(compile=True, compile_backend="eager")
+        engine = EngineCore(compiled, config)
+        ready = engine.stats()
+        assert ready.compiled_graphs > 0 and ready.recompiles_since_ready == 0
+        assert images(compiled, engine) == expected
+        assert engine.stats().recompiles_since_ready == 0
+    finally:
+        torch._dynamo.reset()
+
+
 def test_generate_lora_path_scale_writes_what_the_server_draws(family_dirs, adapters, server, tmp_path) -> None:
     out = tmp_path / "x.png"
     argv = ["generate", "a blue square", "--model", str(family_dirs["flux"]), "--lora", f"{adapters['a']}:0.5"]

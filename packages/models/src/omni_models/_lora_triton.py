@@ -129,12 +129,12 @@ def lora_shrink_expand(
     y: Tensor, x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, slots: Tensor, scales: Tensor
 ) -> None:
     """``y [B, S, out] += `` each row's delta (see ``omni_models.lora.lora_delta_reference``), in place.
-    ``x [B, S, in]`` with a unit last stride; ``down [L, R, in]`` and ``up [L, out, R]`` contiguous, R a power of
-    two >= 16."""
+    ``x [B, S, in]``, ``down [L, R, in]`` and ``up [L, out, R]`` with unit last strides (a slot's stride is free:
+    the runtime's slots are views of one buffer), R a power of two >= 16."""
     batch, tokens, in_features = x.shape
     out_features, rank = up.shape[1], up.shape[2]
-    if y.stride(-1) != 1 or x.stride(-1) != 1 or not (down.is_contiguous() and up.is_contiguous()):
-        raise ValueError("lora_shrink_expand needs unit last strides and contiguous slot tensors")
+    if y.stride(-1) != 1 or x.stride(-1) != 1 or down.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("lora_shrink_expand needs unit last strides")
     ieee = x.dtype == torch.float32
     upcast = INTERPRETED and x.dtype == torch.bfloat16
     block_m = _block(tokens, 64)

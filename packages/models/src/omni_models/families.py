@@ -773,6 +773,8 @@ class FamilyPipeline:
             raise ValueError("compile cannot be combined with layerwise offload")
         compile_modules(self.backend.compile_targets(), settings)
         self.compiled = settings
+        if self.lora is not None:
+            self.lora.compiled = True
 
     def compile_transformer(self, **compile_kwargs: Any) -> None:
         """``torch.compile`` each transformer block in place (regional compilation: one graph per block class),
@@ -782,6 +784,8 @@ class FamilyPipeline:
         """
         if self.offload is not None:
             raise ValueError("compile_transformer cannot be combined with layerwise offload")
+        if self.lora is not None:
+            self.lora.compiled = True
         for path in self.backend.block_lists:
             for block in self.transformer.get_submodule(path):
                 block.compile(**compile_kwargs)

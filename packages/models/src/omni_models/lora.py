@@ -1,21 +1,31 @@
 """Unmerged LoRA served per request: rows of one batched forward each use their own adapter (or none).
 
 The base weights are never touched (bf16, FP8 linears from ``fp8_cache``, or blocks streamed by ``dlo_offload``):
-each target linear gets a forward hook that adds ``scale[row] * scaling[slot, module] * (x @ A[slot]^T) @
-B[slot]^T`` to its output, row by row (Punica's SGMV applied to the rows of a DiT batch: a row is one image's
-cond or uncond pass, so a segment is a whole row). ``lora_add`` is the one op: eager, a Triton shrink + expand
-kernel pair on CUDA and the torch reference elsewhere; inside a compiled graph, ``LoRARuntime.compiled_path``
-says which (``"torch"``, the default: the reference's gather and two batched matmuls, traced into the block's
-graph so that inductor fuses the scale and the add into the ops around them; ``"kernels"``: the Triton pair as
-one opaque op).
+each target linear gets a forward hook that adds ``scale[row] * (x @ A[slot]^T) @ B[slot]^T`` to its output, row by
+row (Punica's SGMV applied to the rows of a DiT batch: a row is one image's cond or uncond pass, so a segment is a
+whole row). Two ways to add it:
+
+- the row path (torch ops; on the CPU, and what a compiled graph traces by default, ``compiled_path="torch"``):
+  ``rows()`` gathers every row's adapter, all target linears at once, in one copy per forward (``row_down [rows,
+  ...]``, ``row_up`` with the row's scale folded in), so each linear adds its delta with two batched matmuls on views
+  of that copy (``bmm`` for the shrink, ``baddbmm`` for the expand and the add): no gather, scale or add kernel
+  per linear. The copy holds ``rows x`` one slot's bytes for the forward;
+- the Triton pair (eager on CUDA; ``compiled_path="kernels"`` puts it in a graph as one opaque op): a shrink and an
+  expand kernel per linear that read the slots in place and skip the rows without an adapter.
+
+``compiled_path="reference"`` traces ``lora_delta_reference`` (a gather of the slot weights per linear, the path
+before the row copy), for the benchmark's comparison.
 
 Invariants:
 - Fixed shapes. Every target linear owns ``max_loras`` device slots (``A: [max_loras, R, in]``, ``B:
-  [max_loras, out, R]``) allocated once, rank zero-padded to ``R`` (``padded_rank(max_rank)``); loading an adapter
-  copies into a slot in place, so switching or mixing adapters never changes a shape the compiled graph sees.
-  The per-forward row table (``LoRARows``: slot index, -1 for none, and scale per row) is a tensor input.
-- Exactness of "none": a row without an adapter gets exactly the base output (the kernel skips it; the reference
-  adds ``0 *`` a finite delta).
+  [max_loras, out, R]``, views into two flat buffers of all targets, allocated once), rank zero-padded to ``R``
+  (``padded_rank(max_rank)``); loading an adapter copies into a slot in place (``B`` times the layer's scaling), so
+  switching or mixing adapters never changes a shape the compiled graph sees. The per-forward row table
+  (``LoRARows``: slot index, -1 for none, scale per row, the row copy) is a tensor input.
+- Two graphs, not one: a forward where no row has an adapter runs the base model (no LoRA op, eager or compiled),
+  so a compiled block has a graph with the LoRA ops and one without; an engine warms both (``warming()``).
+- Exactness of "none": a row without an adapter gets exactly the base output (the kernel skips it; the row path
+  copies a zero slot, and ``y + 0 @ 0`` is ``y``; the reference adds ``0 *`` a finite delta).
 - Two LRUs: adapters live in at most ``max_loras`` device slots and ``max_cpu_loras`` host copies; a registered
   adapter evicted from both is read from its file again when used. A forward needs every adapter of its rows in a
   slot at once, so ``partition`` splits a batch into forwards of at most ``max_loras`` distinct adapters: more
@@ -47,7 +57,8 @@ from omni_models.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "torch", "triton"]
-CompiledPath = Literal["torch", "kernels"]
+CompiledPath = Literal["torch", "kernels", "reference"]
+COMPILED_PATHS = ("torch", "kernels", "reference")
 MIN_PADDED_RANK = 16  # tl.dot needs at least 16 along every dimension
 
 
@@ -130,7 +141,8 @@ class LoRAAdapter:
 @dataclass(frozen=True)
 class LoRARows:
     """The row table of one forward: ``slots`` int32 ``[rows]`` (-1: no adapter) and ``scales`` float32 ``[rows]``
-    on the device; ``any_adapter``: some row has one (host-side, so the reference path can skip a forward without)."""
+    on the device; ``any_adapter``: some row has one (host-side: a forward without runs the base model alone).
+    The row path reads each target's ``row_down`` / ``row_up`` instead (``rows()`` copies them)."""
 
     slots: Tensor
     scales: Tensor
@@ -235,39 +247,67 @@ def lora_add(
 
 
 class TargetSlots:
-    """The device slots of one target linear: ``down [L, R, in]``, ``up [L, out, R]``, ``scaling`` float32 [L]."""
+    """One target linear's part of the runtime's slot buffers: ``down [L, R, in]`` and ``up [L, out, R]`` (views of
+    the flat buffers ``[L + 1, ...]``, whose last slot stays zero), and where its factors sit in a row of them (the
+    row path slices its own out of the forward's row copy)."""
 
     def __init__(
         self,
+        down_flat: Tensor,
+        up_flat: Tensor,
+        offsets: tuple[int, int],
         in_features: int,
         out_features: int,
         *,
         num_slots: int,
         rank: int,
-        device: torch.device,
-        dtype: torch.dtype,
     ) -> None:
-        self.down = torch.zeros(num_slots, rank, in_features, device=device, dtype=dtype)
-        self.up = torch.zeros(num_slots, out_features, rank, device=device, dtype=dtype)
-        self.scaling = torch.zeros(num_slots, device=device, dtype=torch.float32)
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.down_offset, self.up_offset = offsets
+        self.down = self._span(down_flat[:num_slots], self.down_offset, rank, in_features)
+        self.up = self._span(up_flat[:num_slots], self.up_offset, out_features, rank)
+        self.row_down: Tensor | None = None  # the row path's factors of this forward (``view_rows``)
+        self.row_up: Tensor | None = None
+
+    @staticmethod
+    def _span(flat: Tensor, offset: int, rows: int, cols: int) -> Tensor:
+        return flat[:, offset : offset + rows * cols].view(flat.shape[0], rows, cols)
+
+    def view_rows(self, down_rows: Tensor, up_rows: Tensor) -> None:
+        """Point ``row_down [rows, R, in]`` and ``row_up [rows, out, R]`` at this linear's factors in a row copy
+        (``[rows, all targets' A]``, ``[rows, all targets' B]``). Tensor attributes, not offsets: a compiled block
+        reads them as inputs, so every block of a class shares one graph."""
+        self.row_down = self._span(down_rows, self.down_offset, self.rank, self.in_features)
+        self.row_up = self._span(up_rows, self.up_offset, self.out_features, self.rank)
 
     def write(self, slot: int, layer: LoRALayer | None) -> None:
-        """Slot ``slot`` holds ``layer`` (zero-padded to the slot rank), or nothing (``None``: a zero delta)."""
+        """Slot ``slot`` holds ``layer`` (zero-padded to the slot rank; ``up`` times the layer's scaling), or
+        nothing (``None``: a zero delta)."""
         if layer is None:
             self.down[slot].zero_()
             self.up[slot].zero_()
-            self.scaling[slot] = 0.0
             return
         r = layer.rank
         self.down[slot, :r].copy_(layer.down, non_blocking=True)
         self.down[slot, r:].zero_()
         self.up[slot, :, :r].copy_(layer.up, non_blocking=True)
+        if layer.scaling != 1.0:
+            self.up[slot, :, :r].mul_(layer.scaling)
         self.up[slot, :, r:].zero_()
-        self.scaling[slot] = layer.scaling
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.down, self.up, self.scaling))
+        return sum(t.numel() * t.element_size() for t in (self.down, self.up))
+
+
+def lora_add_rows(y: Tensor, x: Tensor, down_rows: Tensor, up_rows: Tensor) -> Tensor:
+    """The row path: ``y`` (``[B, ..., out]``) plus each row's delta, ``baddbmm(y, x @ down_rows^T, up_rows^T)`` with
+    ``down_rows [B, R, in]`` and ``up_rows [B, out, R]`` (each row's slot, its scale folded into ``up_rows``; a row
+    without an adapter copied the zero slot)."""
+    batch = x.shape[0]
+    shrunk = torch.bmm(x.reshape(batch, -1, x.shape[-1]), down_rows.transpose(1, 2))
+    out = torch.baddbmm(y.reshape(batch, -1, y.shape[-1]), shrunk, up_rows.transpose(1, 2))
+    return out.view(y.shape)
 
 
 def lora_targets(module: nn.Module) -> dict[str, nn.Module]:
@@ -327,20 +367,36 @@ class LoRARuntime:
         self._slots = [_Slot() for _ in range(options.max_loras)]
         self._clock = 0
         self._rows: LoRARows | None = None
+        self._apply = False  # inside ``rows()`` with a row on an adapter (or ``warming()``): the hooks add
         self.stats = LoRAStats()
+        self._compiled = False
+        self._warming = False
+        linears = lora_targets(transformer)
+        down_sizes = [self.rank * m.in_features for m in linears.values()]
+        up_sizes = [self.rank * m.out_features for m in linears.values()]
+        slots = options.max_loras + 1  # the last one stays zero: what a row without an adapter copies
+        self._down_flat = torch.zeros(slots, sum(down_sizes), device=device, dtype=dtype)
+        self._up_flat = torch.zeros(slots, sum(up_sizes), device=device, dtype=dtype)
+        self._unit_scaling = torch.ones(options.max_loras, device=device, dtype=torch.float32)
+        self._row_copy: tuple[Tensor, Tensor] | None = None  # [rows, ...] of both buffers, grown to the most rows
+        self._row_views = 0  # the row count the targets' row views are for
         self.targets: dict[str, TargetSlots] = {}
         self._hooks = []
-        for name, linear in lora_targets(transformer).items():
-            slots = TargetSlots(
+        down_offset = up_offset = 0
+        for (name, linear), down_size, up_size in zip(linears.items(), down_sizes, up_sizes, strict=True):
+            target = TargetSlots(
+                self._down_flat,
+                self._up_flat,
+                (down_offset, up_offset),
                 linear.in_features,
                 linear.out_features,
                 num_slots=options.max_loras,
                 rank=self.rank,
-                device=device,
-                dtype=dtype,
             )
-            self.targets[name] = slots
-            self._hooks.append(linear.register_forward_hook(self._hook(slots)))
+            down_offset += down_size
+            up_offset += up_size
+            self.targets[name] = target
+            self._hooks.append(linear.register_forward_hook(self._hook(target)))
         logger.info(
             "LoRA: %d target linears, %d slots of rank %d (%.1f MB on %s)",
             len(self.targets),
@@ -361,32 +417,60 @@ class LoRARuntime:
         self._backend = backend
 
     @property
+    def compiled(self) -> bool:
+        return self._compiled
+
+    @compiled.setter
+    def compiled(self, compiled: bool) -> None:
+        """The pipeline compiles its blocks (set before their first forward): the row path's copy is made for
+        them, and dynamo traces the tensors the hooks read (the row views and the table, reached through each
+        linear's hook) with symbolic shapes. By default it gives every tensor it reaches through a built-in
+        ``nn.Module`` static shapes, which would specialize the LoRA graphs on the row count (one graph per count);
+        parameters and buffers keep their static shapes (``force_parameter_static_shapes``). A block needs twice the
+        graphs it needs without LoRA (each with the LoRA ops and without), so dynamo's per-function limit doubles
+        too (past it, dynamo runs the function eagerly from then on)."""
+        if compiled and not self._compiled:
+            import torch._dynamo.config
+
+            torch._dynamo.config.force_nn_module_property_static_shapes = False
+            torch._dynamo.config.recompile_limit *= 2
+        self._compiled = compiled
+
+    @property
     def compiled_path(self) -> CompiledPath:
         return self._compiled_path
 
     @compiled_path.setter
     def compiled_path(self, path: CompiledPath) -> None:
-        """What a compiled graph runs: ``"torch"`` (the reference's ops, traced) or ``"kernels"`` (the Triton pair
-        as one opaque op, where ``backend`` runs them; the reference otherwise). Set it before the first compiled
-        forward: dynamo reads it once, while tracing."""
-        if path not in ("torch", "kernels"):
-            raise ValueError(f"compiled_path must be 'torch' or 'kernels', got {path!r}")
+        """What a compiled graph runs: ``"torch"`` (the row path, traced), ``"kernels"`` (the Triton pair as one
+        opaque op, where ``backend`` runs them; the reference otherwise) or ``"reference"`` (the per-linear gather of
+        ``lora_delta_reference``, traced). Set it before the first compiled forward: dynamo reads it once, while
+        tracing."""
+        if path not in COMPILED_PATHS:
+            raise ValueError(f"compiled_path must be one of {list(COMPILED_PATHS)}, got {path!r}")
         self._compiled_path = path
 
     def _hook(self, slots: TargetSlots) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
         def add_lora(_module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-            rows = self._rows
-            if rows is None:  # a forward outside ``rows()``: the base model alone
+            # Outside ``rows()``, or no row on an adapter: the base model alone, no launch. A compiled graph
+            # guards on this one bool: a graph with the LoRA ops, and one without.
+            if not self._apply:
                 return output
-            # A compiled graph always adds the delta (zero for a row without an adapter), so one graph serves
-            # batches with adapters and without them: the test on ``is_compiling`` comes first, so that dynamo
-            # never reads (and guards on) ``any_adapter``.
+            rows, x = self._rows, args[0]
+            if x.shape[0] != rows.num_rows:
+                raise ValueError(
+                    f"a LoRA target got {x.shape[0]} rows but the forward's row table has {rows.num_rows}: the "
+                    "module's leading dimension is not the batch of rows"
+                )
             if torch.compiler.is_compiling():
-                triton = self._triton and self._compiled_path == "kernels"
-                return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=triton)
-            if not rows.any_adapter:  # eager, no row has an adapter: nothing to add, no launch
-                return output
-            return lora_add(output, args[0], slots.down, slots.up, slots.scaling, rows, triton=self._triton)
+                path = self._compiled_path
+                triton = self._triton and path == "kernels"
+            else:
+                triton = self._triton
+                path = "kernels" if triton else "torch"
+            if path == "torch":  # ``rows()`` made the row copy (eager without Triton, or ``compiled``)
+                return lora_add_rows(output, x, slots.row_down, slots.row_up)
+            return lora_add(output, x, slots.down, slots.up, self._unit_scaling, rows, triton=triton)
 
         return add_lora
 
@@ -501,7 +585,9 @@ class LoRARuntime:
     @contextlib.contextmanager
     def rows(self, adapters: Sequence[LoRAAdapter | None], scales: Sequence[float]) -> Iterator[LoRARows]:
         """Within this block, forwards apply ``adapters[b]`` at ``scales[b]`` to row ``b`` (``None``: base only).
-        At most ``max_loras`` distinct adapters (``partition``)."""
+        At most ``max_loras`` distinct adapters (``partition``); one row table at a time (no nesting)."""
+        if self._rows is not None:
+            raise RuntimeError("LoRARuntime.rows() does not nest: one row table per forward")
         pinned: set[int] = set()
         indices = []
         for adapter in adapters:
@@ -513,16 +599,50 @@ class LoRARuntime:
             indices.append(index)
         if len(pinned) > self.options.max_loras:  # pragma: no cover - _slot_of never evicts a pinned slot
             raise AssertionError("more adapters than slots in one forward")
-        table = LoRARows(
-            torch.tensor(indices, dtype=torch.int32).to(self._device, non_blocking=True),
-            torch.tensor([float(s) for s in scales], dtype=torch.float32).to(self._device, non_blocking=True),
-            any_adapter=bool(pinned),
-        )
-        previous, self._rows = self._rows, table
+        any_adapter = bool(pinned) or self._warming
+        device_slots = self._on_device(torch.tensor(indices, dtype=torch.int32))
+        device_scales = self._on_device(torch.tensor([float(s) for s in scales], dtype=torch.float32))
+        if any_adapter and (not self._triton or (self.compiled and self._compiled_path == "torch")):
+            self._copy_rows(indices, scales, device_scales)
+        self._rows = LoRARows(device_slots, device_scales, any_adapter=any_adapter)
+        self._apply = any_adapter
         try:
-            yield table
+            yield self._rows
         finally:
-            self._rows = previous
+            self._rows, self._apply = None, False
+
+    def _copy_rows(self, indices: list[int], scales: Sequence[float], device_scales: Tensor) -> None:
+        """The row path's copy: every row's slot (the zero slot for -1), all targets in one ``index_select`` per
+        buffer, into a buffer kept for the most rows seen (``rows x`` one slot's bytes); each row's scale folded into
+        its ``up``; the targets' row views re-pointed only when the row count changes."""
+        num_rows = len(indices)
+        if self._row_copy is None or self._row_copy[0].shape[0] < num_rows:
+            self._row_copy = tuple(flat.new_empty(num_rows, flat.shape[1]) for flat in (self._down_flat, self._up_flat))
+            self._row_views = 0
+        down_rows, up_rows = (buffer[:num_rows] for buffer in self._row_copy)
+        copied = self._on_device(torch.tensor([len(self._slots) if i < 0 else i for i in indices]))
+        torch.index_select(self._down_flat, 0, copied, out=down_rows)
+        torch.index_select(self._up_flat, 0, copied, out=up_rows)
+        if any(float(s) != 1.0 for s in scales):
+            up_rows.mul_(device_scales[:, None])
+        if self._row_views != num_rows:
+            for target in self.targets.values():
+                target.view_rows(down_rows, up_rows)
+            self._row_views = num_rows
+
+    def _on_device(self, host: Tensor) -> Tensor:
+        return host.to(self._device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def warming(self) -> Iterator[None]:
+        """Within this block, forwards take the LoRA path even when no row has an adapter (a zero delta: the base
+        output exactly), so that an engine's warm-up compiles the graphs with the LoRA ops as well as those
+        without, before any adapter is used."""
+        previous, self._warming = self._warming, True
+        try:
+            yield
+        finally:
+            self._warming = previous
 
     def resident(self) -> list[str | None]:
         """Which adapter each device slot holds (by name), for tests and logs."""
@@ -549,6 +669,7 @@ __all__ = [
     "LoRAWeights",
     "TargetSlots",
     "lora_add",
+    "lora_add_rows",
     "lora_delta_reference",
     "lora_targets",
     "padded_rank",

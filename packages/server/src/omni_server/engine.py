@@ -264,16 +264,25 @@ class EngineCore:
 
     def _warm_up(self) -> None:
         """One real request through every engine path (admit, start, step, decode, free); if that compiled
-        anything, one per served shape as well (``compiled_warmup_requests``)."""
+        anything, one per served shape as well (``compiled_warmup_requests``), and with LoRA on, all of them again
+        through the LoRA path (``LoRARuntime.warming``: a forward with an adapter runs other graphs than one
+        without)."""
         before = compiled_graphs()
-        self._run_warmup([warmup_request(self.info, self._config.sequence_parallel_size)])
+        first = warmup_request(self.info, self._config.sequence_parallel_size)
+        self._run_warmup([first])
         if compiled_graphs() > before:
             started = time.monotonic()
             requests = compiled_warmup_requests(self.info, self._config)
             self._run_warmup(requests)
+            count = len(requests)
+            lora = getattr(self.pipeline, "lora", None)
+            if lora is not None:  # the same shapes through the graphs with the LoRA ops (a zero delta)
+                with lora.warming():
+                    self._run_warmup([first, *requests])
+                count += 1 + len(requests)
             logger.info(
                 "compiled warm-up: %d requests in %.1f s, %d graphs compiled in all",
-                len(requests),
+                count,
                 time.monotonic() - started,
                 compiled_graphs(),
             )
