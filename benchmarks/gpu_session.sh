@@ -51,6 +51,7 @@ for z in .whl/*.zip; do [ -e "$z" ] && export PYTHONPATH=$PWD/$z:$PYTHONPATH; do
 # The step cache's static mask at the 9 of 28 steps its `fast` preset computes on the trained FLUX-architecture
 # model (benchmarks/real_models.py FAST_ON_TRAINED): random weights never trip the residual test.
 FAST_MASK='{"method": "mask", "mask": [0, 1, 5, 8, 12, 16, 20, 24, 27], "first_blocks": 1, "max_consecutive_cached": null}'
+WAN_MASK_20='{"method": "mask", "mask": [0, 1, 3, 5, 8, 12, 15, 18, 19], "first_blocks": 1, "max_consecutive_cached": null}'
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests_kv tests_other paged_attention fp8_cache dlo_offload prefix_reuse)
 # A snapshot (benchmarks/README.md) names its commit in COMMIT; the device copy of a working tree has no .git.
@@ -83,9 +84,9 @@ for s in "${steps[@]}"; do
     # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
     real_engine) step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
     # Issue 27: LoRA per request at FLUX.1-dev size, rank 64 (carry diffusers, peft and msgspec in .whl/): compiled
-    # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s); the 4 x 0.5 GB adapters go
+    # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s; the step's limit LORA_LIMIT, 300 s); the 4 x 0.5 GB adapters go
     # to /tmp.
-    lora) step lora 300 python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters \
+    lora) step lora "${LORA_LIMIT:-300}" python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters \
             --deadline "${LORA_DEADLINE:-200}" ${LORA_FLAGS:-} ;;
     # Issue 26: the step cache's wall time, FLUX.1-dev size, 1024^2, 28 steps, eager; then compiled when 90 s of
     # CALL_BUDGET (default 400) are left after the eager configs.
@@ -121,9 +122,11 @@ for s in "${steps[@]}"; do
                        --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
     # Issue 29 through the product: Wan2.1-1.3B over /v1/videos (PyAV carried: benchmarks/README.md, "Videos through
     # the server"), 832x480, 81 frames, SERVING_STEPS steps (20), 5 repeats, vs diffusers' WanPipeline eager.
+    # With the step cache's mask at the 9 of 20 steps `fast` computes on the trained FLUX-architecture model at 20
+    # steps (benchmarks/results/2026-12-02g/composition_20_steps.json; random weights never trip the residual test).
     serving_wan) step serving_wan 560 python3 benchmarks/serving.py --family wan --out "$R/serving_wan" --work-dir /tmp \
                    --concurrent 0 --steps "${SERVING_STEPS:-20}" --configs ${SERVING_CONFIGS:-default} --no-diffusers-compile \
-                   --no-warm-start --request-cache '"fast"' ${SERVING_FLAGS:-} --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
+                   --no-warm-start --request-cache "$WAN_MASK_20" ${SERVING_FLAGS:-} --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
     video_wan_14b) step video_wan_14b 560 python3 benchmarks/video_wan.py --size 14b --steps 4 --phases omni,offload --out "$R" ;;
     tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;

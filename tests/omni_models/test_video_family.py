@@ -196,22 +196,22 @@ def test_wan22_ti2v_text_to_video_matches_diffusers(wan22_ti2v_dir):
     assert figure >= TARGET_DB and ours.fps == 24
 
 
-def test_vae_decode_is_tiled_beyond_256_pixels_as_diffusers_tiles(wan21):
-    """Memory stays bounded: AutoencoderKLWan decodes one latent frame at a time, omni one video at a time, and
-    diffusers' spatial tiling is on, so a frame wider than 256 pixels decodes tile by tile (diffusers' own
-    ``enable_tiling`` result) while smaller frames are untouched."""
-    vae = wan21.backend.pipeline.vae
-    assert vae.use_tiling
+def test_vae_decode_tiles_only_frames_beyond_720p_as_diffusers_tiles(wan21, monkeypatch):
+    """Memory stays bounded: AutoencoderKLWan decodes one latent frame at a time and omni one video at a time.
+    Frames of up to ``UNTILED_MAX_PIXELS`` (1280x720) decode whole, as ``WanPipeline`` decodes by default; larger
+    ones go through diffusers' spatial tiling (its own ``enable_tiling`` tiles, which leave frames of at most 256
+    pixels a side untouched). The threshold is lowered here so that a CPU-sized frame crosses it."""
+    from omni_models.backends import wan
+
     latents = torch.randn((16, 2, 2, 40), generator=torch.Generator().manual_seed(0))  # 5 frames of 16x320 pixels
+    whole = wan21.backend.decode_video(latents)
+    assert whole.shape == (5, 16, 320, 3) and not wan21.backend.pipeline.vae.use_tiling
+    monkeypatch.setattr(wan, "UNTILED_MAX_PIXELS", 16 * 64)
     tiled = wan21.backend.decode_video(latents)
-    assert tiled.shape == (5, 16, 320, 3)
-    vae.disable_tiling()
-    try:
-        whole = wan21.backend.decode_video(latents)
-        small = wan21.backend.decode_video(latents[..., :8])  # 64 pixels wide: tiling does not apply
-    finally:
-        vae.enable_tiling()
+    assert wan21.backend.pipeline.vae.use_tiling
     assert not np.array_equal(tiled, whole)  # the tiles really ran (their blended seams differ)
+    small = wan21.backend.decode_video(latents[..., :8])  # 16x64 pixels: at the threshold, decoded whole
+    monkeypatch.undo()
     assert np.array_equal(small, wan21.backend.decode_video(latents[..., :8]))
 
 
