@@ -84,8 +84,8 @@ for s in "${steps[@]}"; do
     # Only the server-engine concurrency figure (4 requests at once vs one after another), FLUX.1-dev at 1024^2.
     real_engine) step real_engine 560 python3 benchmarks/real_models.py --family flux --phases engine --repeats 1 --baseline none --out "$R" ;;
     # Issue 27: LoRA per request at FLUX.1-dev size, rank 64 (carry diffusers, peft and msgspec in .whl/): compiled
-    # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s; the step's limit LORA_LIMIT, 300 s); the 4 x 0.5 GB adapters go
-    # to /tmp.
+    # as served, then eager unless the compiled mode ended past LORA_DEADLINE (200 s); the step's limit is LORA_LIMIT
+    # (300 s; two compiled modes take about 310 s); the 4 x 0.5 GB adapters go to /tmp.
     lora) step lora "${LORA_LIMIT:-300}" python3 benchmarks/lora.py --out "$R" --adapter-dir /tmp/lora_adapters \
             --deadline "${LORA_DEADLINE:-200}" ${LORA_FLAGS:-} ;;
     # Issue 26: the step cache's wall time, FLUX.1-dev size, 1024^2, 28 steps, eager; then compiled when 90 s of
