@@ -94,6 +94,24 @@ MIXED = [
 ]
 
 
+def _mixed_requests() -> list:
+    """``MIXED`` as the engine's requests (what the API builds from those bodies)."""
+    from omni_models import GenerationRequest
+
+    return [
+        GenerationRequest(
+            prompt=b["prompt"],
+            lora=b.get("model"),
+            lora_scale=b.get("lora_scale"),
+            height=32,
+            width=32,
+            num_inference_steps=STEPS,
+            seed=5,
+        )
+        for b in MIXED
+    ]
+
+
 def test_adapters_are_models_with_a_parent_and_requests_pick_them(server, family_dirs, adapters, tools) -> None:
     openai = pytest.importorskip("openai")
     base = str(family_dirs["flux"])
@@ -155,7 +173,7 @@ def test_runtime_load_and_unload_and_a_bad_file_is_a_400(server, adapters, tools
 
 def test_engine_mixes_adapters_in_each_step_bitwise_under_batch_invariant(family_dirs, adapters, tools) -> None:
     """The engine core in this process: all four requests are admitted in the first step and advance together."""
-    from omni_models import GenerationRequest, resolve_request
+    from omni_models import resolve_request
     from omni_server.config import build_config
     from omni_server.engine import EngineCore, load_pipeline
     from omni_server.protocol import RequestFinished
@@ -169,19 +187,7 @@ def test_engine_mixes_adapters_in_each_step_bitwise_under_batch_invariant(family
         max_lora_rank=8,
     )
     pipeline = load_pipeline(config, max_sequence_length=16)  # few prompt tokens: the test is about the rows
-    requests = [
-        GenerationRequest(
-            prompt=b["prompt"],
-            lora=b.get("model"),
-            lora_scale=b.get("lora_scale"),
-            height=32,
-            width=32,
-            num_inference_steps=STEPS,
-            seed=5,
-        )
-        for b in MIXED
-    ]
-    resolved = [resolve_request(pipeline.info, r) for r in requests]
+    resolved = [resolve_request(pipeline.info, r) for r in _mixed_requests()]
 
     def run(batch_invariant: bool, indices) -> dict[int, bytes]:
         engine = EngineCore(pipeline, msgspec.structs.replace(config, batch_invariant=batch_invariant))
@@ -219,7 +225,7 @@ def test_a_compiled_engine_warms_the_lora_graphs_and_adapters_then_compile_nothi
     import torch._dynamo
 
     import omni_models
-    from omni_models import GenerationRequest, LoRAOptions, resolve_request
+    from omni_models import LoRAOptions, resolve_request
     from omni_server.config import build_config
     from omni_server.engine import EngineCore
     from omni_server.protocol import RequestFinished
@@ -227,16 +233,7 @@ def test_a_compiled_engine_warms_the_lora_graphs_and_adapters_then_compile_nothi
     config = build_config(None, model="unused", device="cpu")
 
     def images(pipeline, engine) -> dict[str, bytes]:
-        for index, body in enumerate(MIXED):
-            request = GenerationRequest(
-                prompt=body["prompt"],
-                lora=body.get("model"),
-                lora_scale=body.get("lora_scale"),
-                height=32,
-                width=32,
-                num_inference_steps=STEPS,
-                seed=5,
-            )
+        for index, request in enumerate(_mixed_requests()):
             engine.add(str(index), resolve_request(pipeline.info, request))
         out: dict[str, bytes] = {}
         while len(out) < len(MIXED):

@@ -39,6 +39,7 @@ Pure torch: reading adapter files (diffusers/PEFT and kohya layouts, through dif
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -216,6 +217,17 @@ def _(y: Tensor, x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, slots: Te
     return None
 
 
+def _check_rows(x: Tensor, rows: LoRARows) -> int:
+    """``x``'s row count, which must be the row table's (a target's leading dimension is the batch of rows)."""
+    batch = x.shape[0]
+    if batch != rows.num_rows:
+        raise ValueError(
+            f"a LoRA target got {batch} rows but the forward's row table has {rows.num_rows}: the module's leading "
+            "dimension is not the batch of rows"
+        )
+    return batch
+
+
 def lora_add(
     y: Tensor,
     x: Tensor,
@@ -229,12 +241,7 @@ def lora_add(
     """``y`` (a linear's output ``[B, ..., out]`` for input ``x`` ``[B, ..., in]``) plus each row's LoRA delta
     (``lora_delta_reference``). ``triton`` (``use_triton``): the kernels add in place and return ``y``; else the
     reference returns a new tensor."""
-    batch = x.shape[0]
-    if batch != rows.num_rows:
-        raise ValueError(
-            f"a LoRA target got {batch} rows but the forward's row table has {rows.num_rows}: the module's leading "
-            "dimension is not the batch of rows"
-        )
+    batch = _check_rows(x, rows)
     x3 = x.reshape(batch, -1, x.shape[-1])
     if triton:
         _lora_shrink_expand(y, x3.contiguous(), down, up, scaling, rows.slots, rows.scales)
@@ -316,6 +323,15 @@ def lora_targets(module: nn.Module) -> dict[str, nn.Module]:
     from fp8_cache import FP8Linear
 
     return {name: m for name, m in module.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
+
+
+@functools.cache
+def _configure_dynamo_for_lora() -> None:
+    """Once per process (the settings are dynamo's, global): see ``LoRARuntime.compiled``."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.force_nn_module_property_static_shapes = False
+    torch._dynamo.config.recompile_limit *= 2
 
 
 AdapterReader = Callable[[Path], LoRAWeights]
@@ -430,11 +446,8 @@ class LoRARuntime:
         parameters and buffers keep their static shapes (``force_parameter_static_shapes``). A block needs twice the
         graphs it needs without LoRA (each with the LoRA ops and without), so dynamo's per-function limit doubles
         too (past it, dynamo runs the function eagerly from then on)."""
-        if compiled and not self._compiled:
-            import torch._dynamo.config
-
-            torch._dynamo.config.force_nn_module_property_static_shapes = False
-            torch._dynamo.config.recompile_limit *= 2
+        if compiled:
+            _configure_dynamo_for_lora()
         self._compiled = compiled
 
     @property
@@ -458,11 +471,7 @@ class LoRARuntime:
             if not self._apply:
                 return output
             rows, x = self._rows, args[0]
-            if x.shape[0] != rows.num_rows:
-                raise ValueError(
-                    f"a LoRA target got {x.shape[0]} rows but the forward's row table has {rows.num_rows}: the "
-                    "module's leading dimension is not the batch of rows"
-                )
+            _check_rows(x, rows)
             if torch.compiler.is_compiling():
                 path = self._compiled_path
                 triton = self._triton and path == "kernels"
