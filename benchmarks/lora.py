@@ -16,8 +16,8 @@ one run, each against its baseline:
   block compiled as serving compiles it (``omni_models.compilation.compile_modules`` with the default
   ``CompileSettings``: inductor, dynamic shapes), and the graphs dynamo compiles while the rows switch between
   adapters and mixes: 0 once warm. The LoRA delta is traced into the blocks' graphs on the row path
-  (``LoRARuntime.compiled_path = "torch"``, the default: one copy of every row's adapter per forward, two batched
-  matmuls per linear); ``compiled_reference`` traces the per-linear gather of the slot weights instead
+  (``LoRARuntime.compiled_path = "torch"``, the default: one copy of every row's adapter per forward, a batched
+  expand per linear and one shrink per input, Q/K/V and FLUX's single-stream MLP sharing theirs); ``compiled_reference`` traces the per-linear gather of the slot weights instead
   (``"reference"``, the default of 2026-12-02f, 1.157x for one adapter), ``compiled_kernels`` puts the Triton pair
   in the graph as one opaque op (``"kernels"``, 1.46x in 2026-12-02e). A forward without an adapter runs the
   graphs without the LoRA ops (the base's). The LoRA hooks are installed before the

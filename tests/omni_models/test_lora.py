@@ -263,6 +263,66 @@ def test_an_fp8_linear_keeps_its_weights_and_gets_the_delta():
     assert torch.equal(out[1], base[1]) and torch.equal(model[0].weight, weight)
 
 
+class _Projections(nn.Module):
+    """An attention's Q/K/V as diffusers names them, with K optionally on another input (cross-attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = nn.Linear(32, 24), nn.Linear(32, 16), nn.Linear(32, 24)
+
+    def forward(self, x, other=None):
+        return torch.cat([self.to_q(x), self.to_k(x if other is None else other), self.to_v(x)], dim=-1)
+
+
+def test_linears_sharing_an_input_shrink_it_once_and_each_add_their_own_delta(flux):
+    """The row path's shared shrink: Q/K/V (and FLUX's single-stream MLP beside them) shrink their one input in one
+    ``bmm``. A member called on another tensor shrinks that anew, so the output stays each linear's own delta."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from omni_models.lora import LoRALayer, LoRAWeights
+
+    class CountBmm(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func is torch.ops.aten.bmm.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = _Projections()
+    layers = {
+        name: LoRALayer(torch.randn(3, 32) * 0.2, torch.randn(linear.out_features, 3) * 0.2, scaling=2.0)
+        for name, linear in model.named_children()
+    }
+    options = LoRAOptions(max_loras=2, max_rank=4)
+    runtime = LoRARuntime(
+        model, lambda _path: LoRAWeights(layers), options, device=torch.device("cpu"), dtype=torch.float32
+    )
+    assert [group.names for group in runtime.groups] == [("to_q", "to_k", "to_v")]
+    adapter = runtime.register("x", "unused.safetensors")
+    x, other = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    for k_input, bmm_calls in ((None, 1 + 3), (other, 3 + 3)):  # shared: one shrink; K elsewhere: every member's
+        base = model(x, k_input)
+        counter = CountBmm()
+        with runtime.rows([adapter, None], [0.5, 1.0]), counter:
+            out = model(x, k_input)
+        assert counter.calls == bmm_calls
+        inputs = {"to_q": x, "to_k": x if k_input is None else k_input, "to_v": x}
+        deltas = [0.5 * 2.0 * (inputs[n][0] @ layer.down.T) @ layer.up.T for n, layer in layers.items()]
+        assert torch.allclose(out[0], base[0] + torch.cat(deltas, dim=-1), atol=1e-5)
+        assert torch.equal(out[1], base[1])
+        assert all(group.input is None for group in runtime.groups)
+    # The FLUX transformer: Q/K/V and the text stream's in every double-stream block, MLP + Q/K/V in every single.
+    transformer = flux.transformer
+    expected = 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+    assert len(flux.lora.groups) == expected
+    assert ("proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v") in {
+        tuple(name.split(".", 2)[2] for name in group.names) for group in flux.lora.groups
+    }
+
+
 def test_a_compiled_pipeline_applies_its_adapters(flux_dev_dir, flux_adapters, flux):
     """Dynamo does not guard on module hooks: a compiled block runs the hooks it traced, and a hook added after its
     first compiled call never runs (the 2026-12-02c H200 benchmark measured exactly that). ``omni_models.load``

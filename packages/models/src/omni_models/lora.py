@@ -9,7 +9,10 @@ whole row). Two ways to add it:
   ``rows()`` gathers every row's adapter, all target linears at once, in one copy per forward (``row_down [rows,
   ...]``, ``row_up`` with the row's scale folded in), so each linear adds its delta with two batched matmuls on views
   of that copy (``bmm`` for the shrink and for the expand, whose add a compiled graph fuses into the next op): no
-  gather or scale kernel per linear. The copy holds ``rows x`` one slot's bytes for the forward;
+  gather or scale kernel per linear. Linears that project one input (an attention's Q/K/V, FLUX's single-stream
+  MLP beside them: ``SHARED_INPUT_GROUPS``) lie side by side in the copy and shrink together, one ``bmm`` of
+  ``x`` against all their A factors, each taking its slice. The copy holds ``rows x`` one slot's bytes for the
+  forward;
 - the Triton pair (eager on CUDA; ``compiled_path="kernels"`` puts it in a graph as one opaque op): a shrink and an
   expand kernel per linear that read the slots in place and skip the rows without an adapter.
 
@@ -61,6 +64,15 @@ Backend = Literal["auto", "torch", "triton"]
 CompiledPath = Literal["torch", "kernels", "reference"]
 COMPILED_PATHS = ("torch", "kernels", "reference")
 MIN_PADDED_RANK = 16  # tl.dot needs at least 16 along every dimension
+
+# Sibling linears that diffusers' attention processors and blocks call on one tensor (relative names, the largest
+# first): the row path shrinks each group's input once. A member called on another tensor shrinks it anew, so a
+# wrong guess costs time, never correctness.
+SHARED_INPUT_GROUPS = (
+    ("proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v"),  # FLUX.1's single-stream blocks: one normed input
+    ("to_q", "to_k", "to_v"),
+    ("add_q_proj", "add_k_proj", "add_v_proj"),
+)
 
 
 class LoRAError(CheckpointError):
@@ -275,6 +287,8 @@ class TargetSlots:
         self.up = self._span(up_flat[:num_slots], self.up_offset, out_features, rank)
         self.row_down: Tensor | None = None  # the row path's factors of this forward (``view_rows``)
         self.row_up: Tensor | None = None
+        self.group: SharedShrink | None = None  # linears sharing this one's input, and its place among them
+        self.member = 0
 
     @staticmethod
     def _span(flat: Tensor, offset: int, rows: int, cols: int) -> Tensor:
@@ -316,6 +330,57 @@ def lora_add_rows(y: Tensor, x: Tensor, down_rows: Tensor, up_rows: Tensor) -> T
     batch = x.shape[0]
     shrunk = torch.bmm(x.reshape(batch, -1, x.shape[-1]), down_rows.transpose(1, 2))
     return y + torch.bmm(shrunk, up_rows.transpose(1, 2)).view(y.shape)
+
+
+class SharedShrink:
+    """Linears that take one input, laid side by side in the row copy: the first of them a forward calls shrinks
+    ``x`` against all their A factors at once (``row_down [rows, members x R, in]``), each member adds its own
+    slice's expand. The shrink is kept only until every member has read it (``pending``), or until ``rows()``
+    ends."""
+
+    def __init__(self, names: Sequence[str], rank: int) -> None:
+        self.names, self.rank = tuple(names), rank
+        self.row_down: Tensor | None = None
+        self.clear()
+
+    def clear(self) -> None:
+        self.input: Tensor | None = None
+        self.shrunk: Tensor | None = None
+        self.pending = 0
+
+    def view_rows(self, down_rows: Tensor, offset: int, in_features: int) -> None:
+        self.row_down = TargetSlots._span(down_rows, offset, len(self.names) * self.rank, in_features)
+
+    def shrink(self, x: Tensor, member: int) -> Tensor:
+        """``x @ A^T`` for member ``member`` (``[rows, S, R]``), from the group's shared shrink of ``x``."""
+        if self.input is not x:  # the first member of this forward, or one called on another tensor
+            batch = x.shape[0]
+            self.input = x
+            self.shrunk = torch.bmm(x.reshape(batch, -1, x.shape[-1]), self.row_down.transpose(1, 2))
+            self.pending = len(self.names)
+        shrunk = self.shrunk[..., member * self.rank : (member + 1) * self.rank]
+        self.pending -= 1
+        if self.pending == 0:  # every member has read it: a compiled block keeps nothing past its graph
+            self.clear()
+        return shrunk
+
+
+def shared_input_groups(names: Sequence[str], in_features: Mapping[str, int]) -> list[list[str]]:
+    """The groups of ``SHARED_INPUT_GROUPS`` found among target ``names`` (one prefix each, every member a target
+    of one input width); a name is in at most one group."""
+    present, grouped, groups = set(names), set(), []
+    for pattern in SHARED_INPUT_GROUPS:
+        for name in names:
+            if not (name == pattern[0] or name.endswith("." + pattern[0])):
+                continue
+            prefix = name[: len(name) - len(pattern[0])]
+            members = [prefix + member for member in pattern]
+            if all(m in present and m not in grouped for m in members) and (
+                len({in_features[m] for m in members}) == 1
+            ):
+                groups.append(members)
+                grouped.update(members)
+    return groups
 
 
 def lora_targets(module: nn.Module) -> dict[str, nn.Module]:
@@ -389,11 +454,19 @@ class LoRARuntime:
         self._compiled = False
         self._warming = False
         linears = lora_targets(transformer)
+        groups = shared_input_groups(list(linears), {name: m.in_features for name, m in linears.items()})
+        group_of = {name: group for group in groups for name in group}
+        order: list[str] = []  # the buffers' layout: each group's members side by side, the first where it was
+        for name in linears:
+            if name not in order:
+                order.extend(group_of.get(name, [name]))
+        linears = {name: linears[name] for name in order}
         down_sizes = [self.rank * m.in_features for m in linears.values()]
         up_sizes = [self.rank * m.out_features for m in linears.values()]
         slots = options.max_loras + 1  # the last one stays zero: what a row without an adapter copies
         self._down_flat = torch.zeros(slots, sum(down_sizes), device=device, dtype=dtype)
         self._up_flat = torch.zeros(slots, sum(up_sizes), device=device, dtype=dtype)
+        self.groups: list[SharedShrink] = []
         self._unit_scaling = torch.ones(options.max_loras, device=device, dtype=torch.float32)
         self._row_copy: tuple[Tensor, Tensor] | None = None  # [rows, ...] of both buffers, grown to the most rows
         self._row_views = 0  # the row count the targets' row views are for
@@ -414,9 +487,15 @@ class LoRARuntime:
             up_offset += up_size
             self.targets[name] = target
             self._hooks.append(linear.register_forward_hook(self._hook(target)))
+        for members in groups:
+            group = SharedShrink(members, self.rank)
+            for index, name in enumerate(members):
+                self.targets[name].group, self.targets[name].member = group, index
+            self.groups.append(group)
         logger.info(
-            "LoRA: %d target linears, %d slots of rank %d (%.1f MB on %s)",
+            "LoRA: %d target linears (%d groups sharing an input), %d slots of rank %d (%.1f MB on %s)",
             len(self.targets),
+            len(self.groups),
             options.max_loras,
             self.rank,
             sum(s.nbytes for s in self.targets.values()) / 2**20,
@@ -479,7 +558,10 @@ class LoRARuntime:
                 triton = self._triton
                 path = "kernels" if triton else "torch"
             if path == "torch":  # ``rows()`` made the row copy (eager without Triton, or ``compiled``)
-                return lora_add_rows(output, x, slots.row_down, slots.row_up)
+                if slots.group is None:
+                    return lora_add_rows(output, x, slots.row_down, slots.row_up)
+                shrunk = slots.group.shrink(x, slots.member)
+                return output + torch.bmm(shrunk, slots.row_up.transpose(1, 2)).view(output.shape)
             return lora_add(output, x, slots.down, slots.up, self._unit_scaling, rows, triton=triton)
 
         return add_lora
@@ -620,6 +702,8 @@ class LoRARuntime:
             yield self._rows
         finally:
             self._rows, self._apply = None, False
+            for group in self.groups:  # a forward that raised between a group's members
+                group.clear()
 
     def _copy_rows(self, indices: list[int], scales: Sequence[float], device_scales: Tensor) -> None:
         """The row path's copy: every row's slot (the zero slot for -1), all targets in one ``index_select`` per
@@ -638,6 +722,9 @@ class LoRARuntime:
         if self._row_views != num_rows:
             for target in self.targets.values():
                 target.view_rows(down_rows, up_rows)
+            for group in self.groups:
+                first = self.targets[group.names[0]]
+                group.view_rows(down_rows, first.down_offset, first.in_features)
             self._row_views = num_rows
 
     def _on_device(self, host: Tensor) -> Tensor:
@@ -677,11 +764,14 @@ __all__ = [
     "LoRARuntime",
     "LoRAStats",
     "LoRAWeights",
+    "SHARED_INPUT_GROUPS",
+    "SharedShrink",
     "TargetSlots",
     "lora_add",
     "lora_add_rows",
     "lora_delta_reference",
     "lora_targets",
     "padded_rank",
+    "shared_input_groups",
     "use_triton",
 ]
