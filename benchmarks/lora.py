@@ -17,14 +17,14 @@ one run, each against its baseline:
   ``CompileSettings``: inductor, dynamic shapes), and the graphs dynamo compiles while the rows switch between
   adapters and mixes: 0 once warm. The LoRA delta is traced into the blocks' graphs on the row path
   (``LoRARuntime.compiled_path = "torch"``, the default: one copy of every row's adapter per forward, a batched
-  expand per linear and one shrink per input, Q/K/V and FLUX's single-stream MLP sharing theirs); ``compiled_reference`` traces the per-linear gather of the slot weights instead
-  (``"reference"``, the default of 2026-12-02f, 1.157x for one adapter), ``compiled_kernels`` puts the Triton pair
-  in the graph as one opaque op (``"kernels"``, 1.46x in 2026-12-02e). A forward without an adapter runs the
-  graphs without the LoRA ops (the base's). The LoRA hooks are installed before the
-  blocks compile (as ``omni_models.load`` does), and the base is the forward outside ``runtime.rows()``: dynamo does
-  not guard on module hooks, so hooks added after the first compiled call never run (the 2026-12-02c run measured
-  exactly that, see RESULTS.md); ``adapter_relative_change_of_output`` (> 0, equal across modes) shows that the
-  adapter reached the output;
+  expand per linear and one shrink per input, Q/K/V and FLUX's single-stream MLP sharing theirs);
+  ``compiled_reference`` traces the per-linear gather of the slot weights instead (``"reference"``, the default of
+  2026-12-02f, 1.157x for one adapter), ``compiled_kernels`` puts the Triton pair in the graph as one opaque op
+  (``"kernels"``, 1.46x in 2026-12-02e). A forward without an adapter runs the graphs without the LoRA ops (the
+  base's). The LoRA hooks are installed before the blocks compile (as ``omni_models.load`` does), and the base is the
+  forward outside ``runtime.rows()``: dynamo does not guard on module hooks, so hooks added after the first compiled
+  call never run (the 2026-12-02c run measured exactly that, see RESULTS.md); ``adapter_relative_change_of_output``
+  (> 0, equal across modes) shows that the adapter reached the output;
 - adapter load: ``LoRARuntime.register`` (read, convert, check, host copy; the files' pages are dropped from the
   page cache first, so the read is from the disk) and the first slot fill (host to device).
 
