@@ -3,8 +3,10 @@
     python benchmarks/fast_paths.py --out DIR            # H200
     python benchmarks/fast_paths.py --smoke --out DIR    # tiny, CPU (checks that every section runs)
 
-- ``attention``: the families' attention (``omni_models.attention``: cuDNN tried first) vs torch's default SDPA
-  order, FLUX.1 shapes (24 heads x 128; 1024^2: 4608 tokens, 256^2: 768);
+- ``attention``: at FLUX.1 shapes (24 heads x 128; 1024^2: 4608 tokens, 256^2: 768) and Wan2.1-1.3B's
+  (12 x 128, 832x480x81: 32,760 tokens), torch's default SDPA order against each backend alone, the families'
+  attention (``omni_models.attention``) and omni's FP8 attention (``--attention-dtype fp8``), with the error of
+  each;
 - ``fp8_linear``: ``FP8Linear`` eager (rowwise, one fused Triton quantization kernel; per-tensor) vs bf16
   ``F.linear`` at FLUX.1's linear shapes, host time included (wall clock over back-to-back calls); and three
   linears reading one input (Q, K, V), which quantize it once;
@@ -17,6 +19,7 @@ Every number lands in ``DIR/fast_paths.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -51,26 +54,63 @@ def wall_ms(fn, device: torch.device, *, iters: int, warmup: int = 3, repeats: i
     return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
 
 
-def attention_section(device: torch.device, smoke: bool) -> dict[str, Any]:
-    from omni_models.attention import attention
+ATTENTION_SHAPES = {  # label: (tokens, heads), head size 128
+    "flux 1024^2": (4608, 24),
+    "flux 256^2": (768, 24),
+    "wan-1.3b 832x480x81": (32760, 12),
+}
 
-    heads, dim = (2, 16) if smoke else (24, 128)
+
+def attention_section(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """Each SDPA backend alone (the context manager around the whole timed loop, so its host cost is not in the
+    figure), omni's attention as the families call it, and omni's FP8 attention (``attention_dtype="fp8"``), with
+    each one's relative L2 against torch's default order."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from omni_models.attention import attention, fp8_attention
+
     dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = {"smoke": (64, 2)} if smoke else ATTENTION_SHAPES
+    dim = 32 if smoke else 128
     out: dict[str, Any] = {}
-    for label, tokens in (("1024^2", 64 if smoke else 4608), ("256^2", 32 if smoke else 768)):
+    for label, (tokens, heads) in shapes.items():
         q, k, v = (torch.randn(1, tokens, heads, dim, device=device, dtype=dtype) for _ in range(3))
 
         def default() -> torch.Tensor:
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
-        iters = 2 if smoke else 50
-        base = wall_ms(default, device, iters=iters)
-        omni = wall_ms(lambda: attention(q, k, v), device, iters=iters)
+        iters = 2 if smoke else max(5, int(50 * (4608 / tokens) ** 2))
         ref = default().transpose(1, 2).float()
-        err = float((attention(q, k, v).float() - ref).norm() / ref.norm())
-        out[label] = {"tokens": tokens, "default_ms": base, "omni_ms": omni, "speedup": base["median"] / omni["median"]}
-        out[label]["rel_l2_vs_default"] = err
-        print(f"attention {label}: default {base['median']:.3f} ms, omni {omni['median']:.3f} ms ({err:.1e})")
+        row: dict[str, Any] = {"tokens": tokens, "heads": heads, "default_ms": wall_ms(default, device, iters=iters)}
+        candidates = {"omni": lambda: attention(q, k, v), "omni_fp8": lambda: fp8_attention(q, k, v)}
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            candidates[f"sdpa_{backend.name.lower()}"] = (backend, default)
+        for name, fn in candidates.items():
+            backend = None
+            if isinstance(fn, tuple):
+                backend, fn = fn
+            try:
+                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                    timing = wall_ms(fn, device, iters=iters)
+                    result = fn()
+                    result = result.transpose(1, 2) if backend is not None else result
+            except RuntimeError as exc:  # a backend that cannot run this shape here
+                row[name] = {"error": str(exc).splitlines()[0]}
+                continue
+            timing["rel_l2_vs_default"] = float((result.float() - ref).norm() / ref.norm())
+            timing["vs_default"] = row["default_ms"]["median"] / timing["median"]
+            row[name] = timing
+        out[label] = row
+        print(
+            f"attention {label}: default {row['default_ms']['median']:.3f} ms; "
+            + ", ".join(
+                f"{n} {r['median']:.3f} ms ({r['vs_default']:.2f}x, {r['rel_l2_vs_default']:.1e})"
+                if "median" in r
+                else f"{n}: {r['error']}"
+                for n, r in row.items()
+                if isinstance(r, dict) and n != "default_ms"
+            )
+        )
     return out
 
 

@@ -128,6 +128,9 @@ for s in "${steps[@]}"; do
                    --concurrent 0 --steps "${SERVING_STEPS:-20}" --configs ${SERVING_CONFIGS:-default} --no-diffusers-compile \
                    --no-warm-start --request-cache "$WAN_MASK_20" ${SERVING_FLAGS:-} --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;
     video_wan_14b) step video_wan_14b 560 python3 benchmarks/video_wan.py --size 14b --steps 4 --phases omni,offload --out "$R" ;;
+    # Issues 24 and 29: every SDPA backend alone, omni's attention and its FP8 attention (--attention-dtype fp8) at
+    # FLUX.1's and Wan2.1-1.3B's shapes, with each one's error (no carried wheels needed).
+    attention) step attention 150 python3 benchmarks/fast_paths.py --sections attention --out "$R" ;;
     tests_compile) step tests_compile 120 python3 -m pytest -q -p no:cacheprovider \
                      "tests/fp8_cache/test_quant_linear.py::test_fp8_linear_under_torch_compile_matches_eager" ;;
     # The music family's acoustic stage (paged code K/V vs recompute, FP8), no vLLM needed.

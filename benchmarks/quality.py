@@ -1,6 +1,7 @@
 """Image quality of one serving configuration against a reference configuration, on the shapes world.
 
     python benchmarks/quality.py MODEL [--quantization fp8] [--fp8-cache-dir DIR] [--enable-layerwise-offload]
+        [--attention-dtype fp8]
         [--cache PRESET_OR_JSON ...] [--steps N] [--guidance-scale G] [--num-scenes N] [--device cpu|cuda] [--out DIR]
 
 MODEL is anything ``omni_models.load`` resolves whose images show the shapes world: the shipped
@@ -58,11 +59,14 @@ class ServingOptions:
     fp8_cache_dir: str | None = None
     layerwise_offload: bool = False
     cache: str | None = None  # a step cache: a preset name or a JSON object of knobs
+    attention_dtype: str = "auto"
 
     def label(self) -> str:
         parts = ([f"fp8 ({'cache' if self.fp8_cache_dir else 'online'})"] if self.quantization else []) + (
             ["layerwise offload"] if self.layerwise_offload else []
         )
+        if self.attention_dtype != "auto":
+            parts.append(f"{self.attention_dtype} attention")
         if self.cache is not None:
             parts.append(f"cache {self.cache}")
         return ", ".join(parts) or "reference"
@@ -102,6 +106,7 @@ def load(model: str, options: ServingOptions, *, device: str, dtype: torch.dtype
         quantization=options.quantization,
         fp8_cache_dir=options.fp8_cache_dir,
         layerwise_offload=options.layerwise_offload,
+        attention_dtype=options.attention_dtype,
     )
 
 
@@ -343,6 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--fp8-cache-dir", default=None, metavar="DIR")
     parser.add_argument("--enable-layerwise-offload", action="store_true")
+    parser.add_argument("--attention-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument(
         "--cache",
         action="append",
@@ -376,9 +382,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scenes = split_scenes()[1][: args.num_scenes]
     prompts = [scene.caption() for scene in scenes]
     size = native_side(args.model)
-    serving = ServingOptions(args.quantization, args.fp8_cache_dir, args.enable_layerwise_offload)
+    serving = ServingOptions(
+        args.quantization, args.fp8_cache_dir, args.enable_layerwise_offload, attention_dtype=args.attention_dtype
+    )
     if serving == ServingOptions() and not args.cache:
-        raise SystemExit("give at least one option to compare (--quantization, --enable-layerwise-offload, --cache)")
+        raise SystemExit(
+            "give at least one option to compare (--quantization, --enable-layerwise-offload, --attention-dtype, "
+            "--cache)"
+        )
     if args.cache and serving != ServingOptions():
         raise SystemExit("--cache candidates run on the reference's model: give --cache without serving options")
     pipe = load(args.model, ServingOptions(), device=args.device, dtype=args.dtype) if args.cache else None

@@ -118,6 +118,10 @@ def test_invalid_settings_fail_at_start_with_what_to_change(argv: list[str], fra
             ["omni-tones-tiny", "--quantization", "fp8"],
             "--quantization: omni-tones-tiny (omni-music) does not support it",
         ),
+        (  # the shipped default, the causal-prefix DiT, attends through its paged K/V cache
+            ["--attention-dtype", "fp8"],
+            "--attention-dtype: omni-shapes-tiny (omni-dit) does not support it; drop --attention-dtype",
+        ),
     ],
 )
 def test_library_rules_are_checked_with_the_library_before_anything_starts(argv: list[str], fragment: str) -> None:
@@ -242,9 +246,14 @@ def test_the_server_compiles_only_on_cuda_for_kinds_that_can_and_never_under_off
     music = msgspec.structs.replace(spec, capabilities=msgspec.structs.replace(spec.capabilities, compile=False))
     assert not compiles(cuda, music)
     options = serving_options(build_config(None, device="cuda", compile_cache_dir="/c"), spec)
-    assert options == {"compile": True, "compile_cache_dir": "/c", "prompt_embed_cache_size": 32}
-    cpu = serving_options(build_config(None, device="cpu", compile_cache_dir="/c"), music)
-    assert cpu == {"compile": False, "compile_cache_dir": None, "prompt_embed_cache_size": 32}
+    assert options == {
+        "compile": True,
+        "compile_cache_dir": "/c",
+        "prompt_embed_cache_size": 32,
+        "attention_dtype": "auto",
+    }
+    cpu = serving_options(build_config(None, device="cpu", compile_cache_dir="/c", attention_dtype="fp8"), music)
+    assert cpu == {"compile": False, "compile_cache_dir": None, "prompt_embed_cache_size": 32, "attention_dtype": "fp8"}
 
 
 FRONT_PROCESS = """

@@ -296,7 +296,8 @@ def test_http_api_draws_what_diffusers_draws_for_concurrent_requests(family, fam
 
 def test_offload_equals_plain_exactly_and_fp8_stays_within_its_bound(family_dirs, tools, tmp_path) -> None:
     """Through ``omni-server generate``: layerwise offload gives the plain image byte for byte; FP8 (the family's
-    ignore list) stays within 35 dB of it (the bound tests/omni_models holds the pipeline to)."""
+    ignore list) stays within 35 dB of it (the bound tests/omni_models holds the pipeline to), FP8 attention within
+    45 dB."""
 
     def generate(name: str, *flags: str) -> Image.Image:
         out = tmp_path / f"{name}.png"
@@ -349,6 +350,11 @@ def test_offload_equals_plain_exactly_and_fp8_stays_within_its_bound(family_dirs
     figure = tools.psnr(fp8, plain)
     print(f"flux FP8 vs fp32 through generate: {figure:.1f} dB")
     assert figure >= 35.0
+    # --attention-dtype fp8: the attention in FP8, the linears in fp32 (tests/omni_models/test_fp8_attention.py).
+    attention = generate("fp8-attention", "--attention-dtype", "fp8")
+    figure = tools.psnr(attention, plain)
+    print(f"flux FP8 attention vs fp32 through generate: {figure:.1f} dB")
+    assert attention.tobytes() != plain.tobytes() and figure >= 45.0  # 52.8 dB on the 2-core machine
 
 
 def test_playground_offers_the_family_fields_shows_progress_keeps_a_gallery_and_clears_on_failure(

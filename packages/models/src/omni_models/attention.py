@@ -13,6 +13,12 @@ Backends, tried in order (the first whose ``supports`` accepts the call runs it)
   rows with equal length, on views of the rows' leading positions (no copy of Q, K or V when a group's rows
   are adjacent), rather than one masked call (a mask would rule cuDNN and flash out).
 A faster omni kernel slots in by adding an ``AttentionBackend`` ahead of it in ``BACKENDS``.
+
+``dtype="fp8"`` (opt-in: ``load(attention_dtype="fp8")``, ``omni-server --attention-dtype fp8``) runs
+``fp8_attention`` instead: diffusion-kv's FP8 attention (``float8_e4m3fn`` queries, keys and values with one scale
+per head, softmax in fp32; its Triton kernel on CUDA with compute capability 9.0+, its torch reference elsewhere).
+Each row gets its own scales (a row's output never depends on its batch neighbours), over a K/V cache of the row's
+own pages written for the call. Error against this module's default path: stated in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from omni_models.registry import AttentionDtype
+
+FP8_PAGE = 64  # the FP8 kernel reads pages of a multiple of 64 tokens
 
 
 @dataclass(frozen=True)
@@ -90,11 +100,61 @@ def select_backend(query: Tensor, lengths: RowLengths | None = None) -> Attentio
     raise RuntimeError(f"no attention backend supports {query.dtype} {tuple(query.shape)} on {query.device}")
 
 
-def attention(query: Tensor, key: Tensor, value: Tensor, lengths: RowLengths | None = None) -> Tensor:
-    """Non-causal attention over ``[B, S, H, D]`` tensors (optionally ragged: each row's first ``lengths[r]``)."""
+def attention(
+    query: Tensor, key: Tensor, value: Tensor, lengths: RowLengths | None = None, *, dtype: AttentionDtype = "auto"
+) -> Tensor:
+    """Non-causal attention over ``[B, S, H, D]`` tensors (optionally ragged: each row's first ``lengths[r]``);
+    ``dtype="fp8"``: ``fp8_attention``."""
     if not query.shape == key.shape == value.shape:
         raise ValueError(f"query, key and value shapes differ: {query.shape}, {key.shape}, {value.shape}")
+    if dtype == "fp8":
+        return fp8_attention(query, key, value, lengths)
     return select_backend(query, lengths).run(query, key, value, lengths)
+
+
+def fp8_attention(query: Tensor, key: Tensor, value: Tensor, lengths: RowLengths | None = None) -> Tensor:
+    """``attention`` in FP8 (module docstring): ``[B, S, H, D]`` in, the same shape and dtype out, padding
+    positions of a ragged batch zero. One opaque op to ``torch.compile`` (the kernel's launch reads host ints)."""
+    if lengths is not None and len(lengths.lengths) != query.shape[0]:
+        raise ValueError(f"RowLengths has {len(lengths.lengths)} lengths for a batch of {query.shape[0]} rows")
+    if lengths is not None and max(lengths.lengths) > query.shape[1]:
+        raise ValueError(f"row lengths {lengths.lengths} exceed the padded length {query.shape[1]}")
+    return _fp8_attention(query, key, value, [] if lengths is None else list(lengths.lengths))
+
+
+@torch.library.custom_op("omni_models::fp8_attention", mutates_args=())
+def _fp8_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[int]) -> Tensor:
+    from diffusion_kv.ops import PagedAttentionMetadata
+    from diffusion_kv.ops.fp8_attention import (
+        FP8_DTYPE,
+        paged_attention_fp8,
+        per_head_scales,
+        quantize_per_head,
+        write_kv_cache_fp8,
+    )
+
+    _, padded_len, heads, head_size = query.shape
+    out = torch.zeros_like(query)
+    for row in range(query.shape[0]):
+        length = lengths[row] if lengths else padded_len
+        q, k, v = (t[row, :length].contiguous() for t in (query, key, value))
+        q_scale, k_scale, v_scale = per_head_scales(q), per_head_scales(k), per_head_scales(v)
+        pages = -(-length // FP8_PAGE)
+        cache = torch.zeros(pages, 2, FP8_PAGE, heads, head_size, dtype=FP8_DTYPE, device=query.device)
+        table = torch.arange(pages, dtype=torch.int32, device=query.device)[None]
+        metadata = PagedAttentionMetadata.build(
+            table, block_size=FP8_PAGE, query_lens=[length], seq_lens=[length], query_pos_start=[0]
+        )
+        write_kv_cache_fp8(k, v, cache, metadata, k_scale, v_scale)
+        paged_attention_fp8(
+            quantize_per_head(q, q_scale), q_scale, cache, k_scale, v_scale, metadata, out=out[row, :length]
+        )
+    return out
+
+
+@_fp8_attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, lengths: list[int]) -> Tensor:
+    return torch.empty_like(query)
 
 
 def row_lengths(lengths: Sequence[int], padded_len: int) -> RowLengths | None:

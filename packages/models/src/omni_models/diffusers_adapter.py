@@ -440,6 +440,12 @@ def backend_class(family: DiffusersFamily) -> type[DiffusersBackend]:
     return _named_class(family.backend)
 
 
+def family_attends_in_omni(family: DiffusersFamily) -> bool:
+    """Whether the family's denoisers attend through omni's processors (``omni_models.family_attention``), which
+    take ``attention_dtype``."""
+    return backend_class(family).attention_processor is not None
+
+
 def build_family_pipeline(
     family: DiffusersFamily,
     components: Mapping[str, Any],
@@ -452,20 +458,24 @@ def build_family_pipeline(
     fp8: Any = None,
     prompt_embed_cache_size: int = 0,
     offloads: Mapping[str, Any] | None = None,
+    attention_dtype: str = "auto",
 ) -> FamilyPipeline:
     """A ``FamilyPipeline`` (the family's ``pipeline`` class) over already-loaded diffusers/transformers components
     (the diffusers pipeline's constructor arguments, with its settings). omni's attention processors are installed
-    on every denoiser, for families that have their own. ``offloads``: each offloaded denoiser's
-    ``LayerwiseOffload`` by slot (``offload`` alone: the ``transformer``'s)."""
+    on every denoiser, for families that have their own, attending in ``attention_dtype`` ("auto" or "fp8": only
+    those families). ``offloads``: each offloaded denoiser's ``LayerwiseOffload`` by slot (``offload`` alone: the
+    ``transformer``'s)."""
     pipeline = library_class("diffusers", family.pipeline_class)(**components)
     length = max_sequence_length or family.default_max_sequence_length(pipeline.transformer.config)
     if not 1 <= length <= family.max_sequence_length_limit:
         raise ValueError(f"max_sequence_length must be in [1, {family.max_sequence_length_limit}], got {length}")
     backend_cls = backend_class(family)
+    if not family_attends_in_omni(family) and attention_dtype != "auto":
+        raise ValueError(f"attention_dtype: the {family.name} family attends through diffusers' own processors")
     if backend_cls.attention_processor is not None:
         for slot in family.denoisers:
             if getattr(pipeline, slot, None) is not None:
-                getattr(pipeline, slot).set_attn_processor(backend_cls.attention_processor())
+                getattr(pipeline, slot).set_attn_processor(backend_cls.attention_processor(attention_dtype))
     backend = backend_cls(pipeline, device=device, dtype=dtype, max_sequence_length=length)
     offloads = dict(offloads or ({} if offload is None else {"transformer": offload}))
     pipeline_cls = FamilyPipeline if family.pipeline is None else _named_class(family.pipeline)
@@ -550,6 +560,7 @@ def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> Model
             compile=family.compile,
             prompt_embed_cache=True,
             lora=family.lora,
+            fp8_attention=family_attends_in_omni(family),
         ),
     )
 
@@ -597,6 +608,7 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
         for name, given, supported in (
             ("lora", options.lora is not None, family.lora),
             ("compile", options.compile, family.compile),
+            ("attention_dtype", options.attention_dtype != "auto", family_attends_in_omni(family)),
         )
         if given and not supported
     ]
@@ -654,6 +666,7 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
             offloads=offloads,
             fp8=_merged_report(reports),
             prompt_embed_cache_size=options.prompt_embed_cache_size,
+            attention_dtype=options.attention_dtype,
         )
         if options.lora is not None:
             from omni_models.lora_files import enable_family_lora

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from omni_models.attention import attention, row_lengths
+from omni_models.registry import AttentionDtype, check_attention_dtype
 
 
 def _heads(x: Tensor, head_dim: int) -> Tensor:
@@ -44,11 +45,16 @@ def rotate_complex(x: Tensor, freqs: Tensor) -> Tensor:
 class OmniFluxAttnProcessor:
     """For ``FluxAttention`` layers: double-stream blocks (text via the ``add_*`` projections) and single-stream ones.
 
-    ``attend`` is the attention over ``[B, S, H, D]`` (``omni_models.family_parallel`` swaps in Ulysses).
+    ``attend`` is the attention over ``[B, S, H, D]`` (``omni_models.family_parallel`` swaps in Ulysses), in
+    ``attention_dtype`` (``omni_models.attention``: "auto", or "fp8").
     """
 
+    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
+        check_attention_dtype(attention_dtype)
+        self.attention_dtype = attention_dtype
+
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        return attention(query, key, value)
+        return attention(query, key, value, dtype=self.attention_dtype)
 
     def __call__(
         self,
@@ -88,7 +94,11 @@ class OmniFluxAttnProcessor:
 
 
 class OmniQwenImageAttnProcessor:
-    """For Qwen-Image's joint text+image ``Attention`` layers (order ``[text, image]``)."""
+    """For Qwen-Image's joint text+image ``Attention`` layers (order ``[text, image]``), in ``attention_dtype``."""
+
+    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
+        check_attention_dtype(attention_dtype)
+        self.attention_dtype = attention_dtype
 
     def __call__(
         self,
@@ -132,7 +142,10 @@ class OmniQwenImageAttnProcessor:
             image_query, image_key = rotate_complex(image_query, image_freqs), rotate_complex(image_key, image_freqs)
             text_query, text_key = rotate_complex(text_query, text_freqs), rotate_complex(text_key, text_freqs)
         text_out, image_out = joint_attention(
-            (text_query, text_key, text_value), (image_query, image_key, image_value), text_lengths
+            (text_query, text_key, text_value),
+            (image_query, image_key, image_value),
+            text_lengths,
+            self.attention_dtype,
         )
         image_out = attn.to_out[0](image_out.contiguous())
         if len(attn.to_out) > 1:
@@ -145,6 +158,7 @@ def joint_attention(
     text: tuple[Tensor, Tensor, Tensor],
     image: tuple[Tensor, Tensor, Tensor],
     text_lengths: Sequence[int] | Tensor | None,
+    dtype: AttentionDtype = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Qwen-Image's joint attention over ``(query, key, value)`` of the text and image streams: ``(text_out,
     image_out)``, flattened over heads. ``text_lengths``: each row's prompt length, ints or a CPU integer tensor.
@@ -167,6 +181,7 @@ def joint_attention(
                 torch.cat([text_query, image_query], dim=1),
                 torch.cat([text_key, image_key], dim=1),
                 torch.cat([text_value, image_value], dim=1),
+                dtype=dtype,
             )
             .flatten(2, 3)
             .to(text_query.dtype)
@@ -178,6 +193,7 @@ def joint_attention(
             torch.cat([image_key, text_key], dim=1),
             torch.cat([image_value, text_value], dim=1),
             lengths,
+            dtype=dtype,
         )
         .flatten(2, 3)
         .to(text_query.dtype)

@@ -64,7 +64,8 @@ def _heads_to_tokens(x: Tensor, state: ParallelState) -> Tensor:
 class UlyssesFluxAttnProcessor(OmniFluxAttnProcessor):
     """``OmniFluxAttnProcessor`` whose attention runs over every rank's tokens for this rank's head group."""
 
-    def __init__(self, state: ParallelState) -> None:
+    def __init__(self, state: ParallelState, attention_dtype: str = "auto") -> None:
+        super().__init__(attention_dtype)
         self.state = state
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
@@ -160,5 +161,6 @@ def enable_family_parallel(pipe: FamilyPipeline, state: ParallelState) -> None:
                 f"{pipe.info.family} rows yet (use CFG-parallelism)"
             )
         check_sequence_parallel(pipe.transformer.config.num_attention_heads, state.sp_size)
-        pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state))
+        attention_dtype = next(iter(pipe.transformer.attn_processors.values())).attention_dtype
+        pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state, attention_dtype))
     pipe.backend = ParallelFamilyBackend(pipe.backend, state)

@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from omni_models.spec import ModelSpec
 
 AttentionBackend = Literal["paged", "dense"]
+AttentionDtype = Literal["auto", "fp8"]  # the families' joint attention: the model's dtype, or FP8
+ATTENTION_DTYPES = ("auto", "fp8")
+
+
+def check_attention_dtype(attention_dtype: str) -> None:
+    if attention_dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"attention_dtype must be one of {list(ATTENTION_DTYPES)}, got {attention_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class LoadOptions:
     compile_cache_dir: Path | None = None  # inductor's FX graph / AOTAutograd caches, reused by a restart
     prompt_embed_cache_size: int = 0  # diffusers families: prompts whose text embeddings stay cached (LRU)
     lora: LoRAOptions | None = None  # diffusers families: serve LoRA adapters per request (``pipeline.lora``)
+    attention_dtype: AttentionDtype = "auto"  # FLUX.1 / Qwen-Image: "fp8" attends in FP8 (omni_models.attention)
 
     def __post_init__(self) -> None:
         check_load_options(
@@ -114,6 +122,7 @@ class LoadOptions:
         )
         if self.prompt_embed_cache_size < 0:
             raise ValueError(f"prompt_embed_cache_size must be >= 0, got {self.prompt_embed_cache_size}")
+        check_attention_dtype(self.attention_dtype)
 
 
 def check_load_options(
@@ -207,6 +216,7 @@ def load(
     compile_cache_dir: str | Path | None = None,
     prompt_embed_cache_size: int = 0,
     lora: LoRAOptions | None = None,
+    attention_dtype: AttentionDtype = "auto",
     allow_download: bool = False,
 ) -> StepwisePipeline:
     """Load any model omni knows (shipped name, local directory, or a Hugging Face repo id from the local cache
@@ -222,7 +232,9 @@ def load(
     CUDA graphs; ``ModelSpec.capabilities.compile`` says whether a kind can), keeping inductor's caches in
     ``compile_cache_dir`` when given. ``prompt_embed_cache_size`` keeps that many prompts' text embeddings (the
     families; LRU, ``omni_models.prompt_cache``). ``lora`` (``omni_models.lora.LoRAOptions``) gives a diffusers
-    family's pipeline ``pipeline.lora``, where adapters are registered and then named per request. A bad checkpoint
+    family's pipeline ``pipeline.lora``, where adapters are registered and then named per request.
+    ``attention_dtype="fp8"`` runs FLUX.1's and Qwen-Image's attention in FP8 (``omni_models.attention``; opt-in,
+    ``ModelSpec.capabilities.fp8_attention`` says which kinds can). A bad checkpoint
     raises ``CheckpointError`` before anything is placed on ``device``."""
     import torch
 
@@ -245,6 +257,7 @@ def load(
         compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
         prompt_embed_cache_size=prompt_embed_cache_size,
         lora=lora,
+        attention_dtype=attention_dtype,
     )
     if options.compile_cache_dir is not None:
         from omni_models.compilation import use_compile_cache
@@ -271,6 +284,9 @@ __all__ = [
     "KINDS",
     "LoadOptions",
     "ModelKind",
+    "ATTENTION_DTYPES",
+    "AttentionDtype",
+    "check_attention_dtype",
     "check_compile_options",
     "check_load_options",
     "inspect",

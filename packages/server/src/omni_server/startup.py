@@ -45,12 +45,14 @@ def compiles(config: ServerConfig, spec: ModelSpec) -> bool:
 
 def serving_options(config: ServerConfig, spec: ModelSpec) -> dict[str, object]:
     """``omni_models.load`` keyword arguments that depend on what the model is: compile (``compiles``) with its
-    cache directory, and the prompt-embedding cache (the kinds whose capabilities have one)."""
+    cache directory, the prompt-embedding cache (the kinds whose capabilities have one), and the attention's dtype
+    (``check_startup`` refuses ``--attention-dtype fp8`` for a kind without FP8 attention)."""
     compiled = compiles(config, spec)
     return dict(
         compile=compiled,
         compile_cache_dir=config.compile_cache_dir if compiled else None,
         prompt_embed_cache_size=config.prompt_embed_cache_size if spec.capabilities.prompt_embed_cache else 0,
+        attention_dtype=config.attention_dtype,
     )
 
 
@@ -160,6 +162,7 @@ def check_startup(config: ServerConfig) -> ModelSpec:
         (config.offload_allgather, capabilities.offload_allgather, "--offload-allgather"),
         (config.cfg_parallel_size > 1, capabilities.cfg_parallel, "--cfg-parallel-size"),
         (config.sequence_parallel_size > 1, capabilities.sequence_parallel, "--sequence-parallel-size"),
+        (config.attention_dtype != "auto", capabilities.fp8_attention, "--attention-dtype"),
     ):
         if given and not able:
             raise ConfigError(f"{flag}: {variant} ({spec.kind}) does not support it; drop {flag}")

@@ -61,6 +61,10 @@ def inspect(directory: Path, name: str) -> ModelSpec:
 def load(directory: Path, name: str, options: LoadOptions) -> Pipeline:
     if options.lora is not None:
         raise ValueError("lora: LoRA adapters apply to the diffusers families (FLUX.1, Qwen-Image), not the DiT")
+    if options.attention_dtype != "auto":
+        raise ValueError(
+            "attention_dtype applies to FLUX.1 and Qwen-Image; the DiT's attention is its paged K/V cache's"
+        )
     if options.max_sequence_length is not None:
         raise ValueError(
             "max_sequence_length applies to the diffusers families; a causal-prefix DiT reads its "

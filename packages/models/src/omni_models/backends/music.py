@@ -49,6 +49,7 @@ def load(directory: Path, name: str, options: LoadOptions) -> MusicPipeline:
             ("prompt_embed_cache_size", options.prompt_embed_cache_size > 0),
             ("max_sequence_length", options.max_sequence_length is not None),
             ("lora", options.lora is not None),
+            ("attention_dtype", options.attention_dtype != "auto"),
         )
         if given
     ]
