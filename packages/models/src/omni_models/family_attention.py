@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni_models.attention import attention, row_lengths
@@ -205,3 +206,67 @@ def _fresh(x: Tensor) -> Tensor:
     """A contiguous tensor that is no view: what re-enters a compiled graph from ``joint_attention`` then carries
     no base tensor whose layout (one per attention path) the graph would guard on and recompile for."""
     return x.clone(memory_format=torch.contiguous_format)
+
+
+def _rotate_wan(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Wan's RoPE on ``[B, S, H, D]``: interleaved pairs, diffusers' ``WanAttnProcessor`` arithmetic."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class OmniWanAttnProcessor:
+    """For ``WanAttention`` layers: what diffusers' ``WanAttnProcessor`` computes, in its order. The self-attention
+    over the video tokens (``attn1``, where the time goes) attends in ``attention_dtype``; the cross-attention over
+    the text (and an I2V model's image context) stays on the default path: its keys are a few hundred tokens."""
+
+    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
+        check_attention_dtype(attention_dtype)
+        self.attention_dtype = attention_dtype
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        if attention_mask is not None:
+            raise ValueError("omni's Wan attention takes no attention_mask: Wan attends over every token")
+        if getattr(attn, "fused_projections", False):
+            raise ValueError(
+                "omni's Wan attention needs unfused projections; call transformer.unfuse_qkv_projections()"
+            )
+        image_context = None
+        if attn.add_k_proj is not None:  # I2V: the image context leads, then the 512 text tokens (diffusers' split)
+            split = encoder_hidden_states.shape[1] - 512
+            image_context, encoder_hidden_states = encoder_hidden_states[:, :split], encoder_hidden_states[:, split:]
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(context).unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = _rotate_wan(query, *rotary_emb), _rotate_wan(key, *rotary_emb)
+        image_out = None
+        if image_context is not None:
+            image_key = attn.norm_added_k(attn.add_k_proj(image_context)).unflatten(2, (attn.heads, -1))
+            image_value = attn.add_v_proj(image_context).unflatten(2, (attn.heads, -1))
+            image_out = _cross_attention(query, image_key, image_value).flatten(2, 3).type_as(query)
+        if encoder_hidden_states is None:
+            out = attention(query, key, value, dtype=self.attention_dtype)
+        else:
+            out = _cross_attention(query, key, value)
+        out = out.flatten(2, 3).type_as(query)
+        if image_out is not None:
+            out = out + image_out
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _cross_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Unmasked SDPA of ``[B, Sq, H, D]`` queries over ``[B, Sk, H, D]`` keys (diffusers' native backend layout)."""
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    return out.transpose(1, 2)

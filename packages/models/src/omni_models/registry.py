@@ -97,7 +97,7 @@ class LoadOptions:
     compile_cache_dir: Path | None = None  # inductor's FX graph / AOTAutograd caches, reused by a restart
     prompt_embed_cache_size: int = 0  # diffusers families: prompts whose text embeddings stay cached (LRU)
     lora: LoRAOptions | None = None  # diffusers families: serve LoRA adapters per request (``pipeline.lora``)
-    attention_dtype: AttentionDtype = "auto"  # FLUX.1 / Qwen-Image: "fp8" attends in FP8 (omni_models.attention)
+    attention_dtype: AttentionDtype = "auto"  # diffusers families: "fp8" attends in FP8 (omni_models.attention)
 
     def __post_init__(self) -> None:
         check_load_options(
@@ -233,7 +233,7 @@ def load(
     ``compile_cache_dir`` when given. ``prompt_embed_cache_size`` keeps that many prompts' text embeddings (the
     families; LRU, ``omni_models.prompt_cache``). ``lora`` (``omni_models.lora.LoRAOptions``) gives a diffusers
     family's pipeline ``pipeline.lora``, where adapters are registered and then named per request.
-    ``attention_dtype="fp8"`` runs FLUX.1's and Qwen-Image's attention in FP8 (``omni_models.attention``; opt-in,
+    ``attention_dtype="fp8"`` runs the diffusers families' attention in FP8 (``omni_models.attention``; opt-in,
     ``ModelSpec.capabilities.fp8_attention`` says which kinds can). A bad checkpoint
     raises ``CheckpointError`` before anything is placed on ``device``."""
     import torch

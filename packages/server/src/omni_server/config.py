@@ -136,8 +136,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_dtype: Annotated[
         Literal["auto", "fp8"],
         setting(
-            "FLUX.1 and Qwen-Image: fp8 runs their attention in FP8 (e4m3 queries, keys and values with per-head "
-            "scales; omni's FP8 attention kernel on CUDA, compute capability 9.0+); auto: the model's dtype",
+            "the diffusers families (FLUX.1, Qwen-Image, Wan): fp8 runs their attention in FP8 (e4m3 queries, keys "
+            "and values with per-head scales; omni's FP8 attention kernel on CUDA, compute capability 9.0+); auto: "
+            "the model's dtype",
             group="QuantizationConfig",
             commands=BOTH,
         ),

@@ -63,7 +63,8 @@ def load(directory: Path, name: str, options: LoadOptions) -> Pipeline:
         raise ValueError("lora: LoRA adapters apply to the diffusers families (FLUX.1, Qwen-Image), not the DiT")
     if options.attention_dtype != "auto":
         raise ValueError(
-            "attention_dtype applies to FLUX.1 and Qwen-Image; the DiT's attention is its paged K/V cache's"
+            "attention_dtype applies to the diffusers families (FLUX.1, Qwen-Image, Wan); the DiT's attention is "
+            "its paged K/V cache's"
         )
     if options.max_sequence_length is not None:
         raise ValueError(

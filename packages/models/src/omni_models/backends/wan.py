@@ -41,6 +41,7 @@ from omni_models.families import (
     Slot,
     TextEmbedding,
 )
+from omni_models.family_attention import OmniWanAttnProcessor
 from omni_models.limits import MAX_FPS, MAX_INFERENCE_STEPS, MAX_VIDEOS_PER_REQUEST
 from omni_models.spec import ImageLimits, ModelInfo, ModelSpec, SizeRange, VideoLimits
 
@@ -182,6 +183,7 @@ FAMILY = DiffusersFamily(
 
 class WanBackend(DiffusersBackend):
     family = FAMILY
+    attention_processor = OmniWanAttnProcessor
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int) -> None:
         super().__init__(pipeline, device=device, dtype=dtype, max_sequence_length=max_sequence_length)
