@@ -13,7 +13,8 @@
    one warm-up image; then with its best compile (``transformer.compile_repeated_blocks(fullgraph=True)``) at the
    first size: first image (compile) and repeats.
 3. One ``omni-server serve`` process per configuration in ``--configs`` (``default``: no flags, compiled on CUDA;
-   ``fp8``: ``--quantization fp8 --fp8-cache-dir``; ``eager``: ``--enforce-eager``; ``fp8-eager``): cold start
+   ``fp8``: ``--quantization fp8 --fp8-cache-dir``; ``eager``: ``--enforce-eager``; ``fp8-eager``;
+   ``fp8-attention``: ``fp8`` plus ``--attention-dtype fp8``): cold start
    (process start to ``/health`` 200, with an empty ``--compile-cache-dir`` and FP8 cache), then per size one
    first request, ``--repeats`` requests one at a time (median, spread, p50/p99), and ``--concurrent`` requests
    with 4 in flight (throughput against the one-at-a-time figure, p50/p99); ``/metrics`` (graphs compiled,
@@ -123,6 +124,7 @@ CONFIG_FLAGS = {
     "fp8": ["--quantization", "fp8"],
     "eager": ["--enforce-eager"],
     "fp8-eager": ["--quantization", "fp8", "--enforce-eager"],
+    "fp8-attention": ["--quantization", "fp8", "--attention-dtype", "fp8"],
 }
 # (what, figure key, baseline key, target, higher is better)
 TARGETS = {
@@ -604,7 +606,7 @@ class Bench:
         self.save()
         order = ["diffusers"] + list(self.args.configs)
         # The smallest time each phase needs to be worth starting (full size; the smoke run needs far less).
-        needs = {"diffusers": 60, "default": 150, "fp8": 150, "eager": 60, "fp8-eager": 60}
+        needs = {"diffusers": 60, "default": 150, "fp8": 150, "eager": 60, "fp8-eager": 60, "fp8-attention": 150}
         for phase in order:
             if self.left() < (5 if self.args.smoke else needs[phase]):
                 self.results["phases"][phase] = {"skipped": f"{self.left():.0f} s left of --deadline"}
@@ -639,12 +641,17 @@ class Bench:
         if fp8 is not None:
             target = self.family.fp8_seconds_target
             lines.append((f"--quantization fp8 {self.label(first)} end to end (s, <=)", fp8, target))
+        fp8_attention = serial("omni_fp8-attention", first)
+        if fp8_attention is not None:
+            lines.append((f"+ --attention-dtype fp8 {self.label(first)} end to end (s)", fp8_attention, None))
+            if fp8 is not None:
+                lines.append(("FP8 attention vs bf16 attention, both with FP8 linears (x)", fp8 / fp8_attention, None))
         eager, fp8_eager = serial("omni_eager", first), serial("omni_fp8-eager", first)
         if eager and fp8_eager:
             lines.append(("FP8 eager vs bf16 eager (x, >=)", eager / fp8_eager, TARGETS["fp8_eager_vs_eager"]))
         if eager and eager_ref:
             lines.append(("omni eager vs diffusers eager (x)", eager_ref / eager, None))
-        for name in ("omni_default", "omni_fp8", "omni_eager", "omni_fp8-eager"):
+        for name in ("omni_default", "omni_fp8", "omni_eager", "omni_fp8-eager", "omni_fp8-attention"):
             phase = phases.get(name, {})
             for key, target in (("cold_start_s", TARGETS["cold_start_s"]), ("warm_start_s", TARGETS["warm_start_s"])):
                 if key in phase:
