@@ -23,8 +23,10 @@ own pages written for the call. Error against this module's default path: stated
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,11 +124,26 @@ def fp8_attention(query: Tensor, key: Tensor, value: Tensor, lengths: RowLengths
     return _fp8_attention(query, key, value, [] if lengths is None else list(lengths.lengths))
 
 
+@functools.lru_cache(maxsize=2)  # two shapes (a Wan2.1-14B row at 480p: 335 MB each)
+def _fp8_row_cache(length: int, heads: int, head_size: int, device: torch.device) -> tuple[Tensor, Any]:
+    """A zeroed FP8 K/V cache of ``length`` tokens in pages of its own, and the metadata of one row over it, kept
+    for the next call of that shape (a forward's layers all attend at one length): each call overwrites the row's
+    slots, and the last page's tail, never attended to, holds finite values only."""
+    from diffusion_kv.ops import PagedAttentionMetadata
+    from diffusion_kv.ops.fp8_attention import FP8_DTYPE
+
+    pages = -(-length // FP8_PAGE)
+    cache = torch.zeros(pages, 2, FP8_PAGE, heads, head_size, dtype=FP8_DTYPE, device=device)
+    table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+    metadata = PagedAttentionMetadata.build(
+        table, block_size=FP8_PAGE, query_lens=[length], seq_lens=[length], query_pos_start=[0]
+    )
+    return cache, metadata
+
+
 @torch.library.custom_op("omni_models::fp8_attention", mutates_args=())
 def _fp8_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[int]) -> Tensor:
-    from diffusion_kv.ops import PagedAttentionMetadata
     from diffusion_kv.ops.fp8_attention import (
-        FP8_DTYPE,
         paged_attention_fp8,
         per_head_scales,
         quantize_per_head,
@@ -139,12 +156,7 @@ def _fp8_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[int]
         length = lengths[row] if lengths else padded_len
         q, k, v = (t[row, :length].contiguous() for t in (query, key, value))
         q_scale, k_scale, v_scale = per_head_scales(q), per_head_scales(k), per_head_scales(v)
-        pages = -(-length // FP8_PAGE)
-        cache = torch.zeros(pages, 2, FP8_PAGE, heads, head_size, dtype=FP8_DTYPE, device=query.device)
-        table = torch.arange(pages, dtype=torch.int32, device=query.device)[None]
-        metadata = PagedAttentionMetadata.build(
-            table, block_size=FP8_PAGE, query_lens=[length], seq_lens=[length], query_pos_start=[0]
-        )
+        cache, metadata = _fp8_row_cache(length, heads, head_size, query.device)
         write_kv_cache_fp8(k, v, cache, metadata, k_scale, v_scale)
         paged_attention_fp8(
             quantize_per_head(q, q_scale), q_scale, cache, k_scale, v_scale, metadata, out=out[row, :length]
