@@ -43,16 +43,21 @@ def rotate_complex(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(3).type_as(x)
 
 
-class OmniFluxAttnProcessor:
+class _OmniAttnProcessor:
+    """What every omni processor holds: the dtype its attention runs in (``omni_models.attention``: "auto", or
+    "fp8"), checked once when it is built."""
+
+    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
+        check_attention_dtype(attention_dtype)
+        self.attention_dtype = attention_dtype
+
+
+class OmniFluxAttnProcessor(_OmniAttnProcessor):
     """For ``FluxAttention`` layers: double-stream blocks (text via the ``add_*`` projections) and single-stream ones.
 
     ``attend`` is the attention over ``[B, S, H, D]`` (``omni_models.family_parallel`` swaps in Ulysses), in
     ``attention_dtype`` (``omni_models.attention``: "auto", or "fp8").
     """
-
-    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
-        check_attention_dtype(attention_dtype)
-        self.attention_dtype = attention_dtype
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         return attention(query, key, value, dtype=self.attention_dtype)
@@ -94,12 +99,8 @@ class OmniFluxAttnProcessor:
         return image_out, attn.to_add_out(text_out.contiguous())
 
 
-class OmniQwenImageAttnProcessor:
+class OmniQwenImageAttnProcessor(_OmniAttnProcessor):
     """For Qwen-Image's joint text+image ``Attention`` layers (order ``[text, image]``), in ``attention_dtype``."""
-
-    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
-        check_attention_dtype(attention_dtype)
-        self.attention_dtype = attention_dtype
 
     def __call__(
         self,
@@ -218,14 +219,10 @@ def _rotate_wan(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.type_as(x)
 
 
-class OmniWanAttnProcessor:
+class OmniWanAttnProcessor(_OmniAttnProcessor):
     """For ``WanAttention`` layers: what diffusers' ``WanAttnProcessor`` computes, in its order. The self-attention
     over the video tokens (``attn1``, where the time goes) attends in ``attention_dtype``; the cross-attention over
     the text (and an I2V model's image context) stays on the default path: its keys are a few hundred tokens."""
-
-    def __init__(self, attention_dtype: AttentionDtype = "auto") -> None:
-        check_attention_dtype(attention_dtype)
-        self.attention_dtype = attention_dtype
 
     def __call__(
         self,

@@ -32,6 +32,7 @@ from torch import Tensor
 from diffusion_kv import cdiv
 from omni_models.family_attention import OmniFluxAttnProcessor
 from omni_models.parallel import ParallelState, check_sequence_parallel
+from omni_models.registry import AttentionDtype
 
 if TYPE_CHECKING:
     from omni_models.families import DenoiseRow, FamilyPipeline
@@ -64,7 +65,7 @@ def _heads_to_tokens(x: Tensor, state: ParallelState) -> Tensor:
 class UlyssesFluxAttnProcessor(OmniFluxAttnProcessor):
     """``OmniFluxAttnProcessor`` whose attention runs over every rank's tokens for this rank's head group."""
 
-    def __init__(self, state: ParallelState, attention_dtype: str = "auto") -> None:
+    def __init__(self, state: ParallelState, attention_dtype: AttentionDtype = "auto") -> None:
         super().__init__(attention_dtype)
         self.state = state
 
