@@ -336,10 +336,13 @@ class SharedShrink:
     """Linears that take one input, laid side by side in the row copy: the first of them a forward calls shrinks
     ``x`` against all their A factors at once (``row_down [rows, members x R, in]``), each member adds its own
     slice's expand. The shrink is kept only until every member has read it (``pending``), or until ``rows()``
-    ends."""
+    ends. ``shrink`` reads only what every block's group of one class holds alike (``members``, ``rank``, the
+    tensors), never ``names``: dynamo guards on each attribute a compiled block reads, and a guard on the names
+    would compile the block class once per block, until dynamo's recompile limit sends the rest to eager."""
 
     def __init__(self, names: Sequence[str], rank: int) -> None:
         self.names, self.rank = tuple(names), rank
+        self.members = len(self.names)
         self.row_down: Tensor | None = None
         self.clear()
 
@@ -349,7 +352,7 @@ class SharedShrink:
         self.pending = 0
 
     def view_rows(self, down_rows: Tensor, offset: int, in_features: int) -> None:
-        self.row_down = TargetSlots._span(down_rows, offset, len(self.names) * self.rank, in_features)
+        self.row_down = TargetSlots._span(down_rows, offset, self.members * self.rank, in_features)
 
     def shrink(self, x: Tensor, member: int) -> Tensor:
         """``x @ A^T`` for member ``member`` (``[rows, S, R]``), from the group's shared shrink of ``x``."""
@@ -357,7 +360,7 @@ class SharedShrink:
             batch = x.shape[0]
             self.input = x
             self.shrunk = torch.bmm(x.reshape(batch, -1, x.shape[-1]), self.row_down.transpose(1, 2))
-            self.pending = len(self.names)
+            self.pending = self.members
         shrunk = self.shrunk[..., member * self.rank : (member + 1) * self.rank]
         self.pending -= 1
         if self.pending == 0:  # every member has read it: a compiled block keeps nothing past its graph
