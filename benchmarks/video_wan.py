@@ -22,9 +22,10 @@ end-to-end seconds per video with text encoding and VAE decode, and the peak dev
 - ``fp8``: omni with FP8 linears (``quantize_family_fp8``, the family's ignore list; the transformer is quantized in
   place, so it runs after the phases above); compiled afresh when ``compiled`` ran (the phase is then
   ``fp8_compiled``, with its first video's seconds); PSNR against omni;
-- ``offload``: a fresh omni pipeline whose transformer (another random draw of the same architecture, built on the
-  host: the one above is FP8 by now) keeps its blocks in host memory, streamed through two device slots
-  (``dlo_offload``): device weight bytes, time and peak memory against ``omni`` (no PSNR: other weights).
+- ``offload``: a fresh omni pipeline whose transformer keeps its blocks in host memory, streamed through two device
+  slots (``dlo_offload``): device weight bytes, time and peak memory against ``omni``. The transformer is the one
+  ``omni`` ran, moved to the host (PSNR against ``omni``), or, when ``fp8`` or ``compiled`` changed that one in
+  place, another random draw of the architecture filled on the device (no PSNR).
 
 Every number lands in ``DIR/video_wan_<size>.json``. Needs diffusers (see benchmarks/README.md).
 """
@@ -253,17 +254,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from omni_models.integrations import family_offload_plan
 
         del pipe
-        host = components(args, torch.device("cpu"))
-        fresh = {**built, "transformer": host["transformer"]}
-        del built, host
+        if {"fp8", "compiled", "compiled_cache"} & set(phases):  # changed in place: another random draw, moved out
+            host_transformer = components(args, device)["transformer"].to("cpu")
+        else:  # the transformer the omni phase ran: its frames are the reference
+            host_transformer = built["transformer"].to("cpu")
+        fresh = {**built, "transformer": host_transformer}
+        del built, host_transformer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            reset_peak(device)
         offload = enable_layerwise_offload(
             fresh["transformer"], family_offload_plan(wan.FAMILY.declaration), device=device, use_allgather=False
         )
         outcome = run_omni(omni_pipeline(fresh, device, offload), request, device)
         outcome["device_weight_bytes"] = int(offload.resident_nbytes + 2 * offload.slot_nbytes)
-        record("offload", outcome)
+        record("offload", outcome, None if {"fp8", "compiled", "compiled_cache"} & set(phases) else "omni")
     for name in ("omni", "cache", "compiled", "compiled_cache", "fp8", "fp8_compiled"):
         if name in results and "diffusers" in results:
             base = results["diffusers"]
