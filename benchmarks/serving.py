@@ -565,12 +565,18 @@ class Bench:
 
     def series(self, port: int, body: dict[str, Any]) -> tuple[float, dict[str, Any], np.ndarray | None, dict]:
         """One first request, then ``--repeats`` one at a time: the first's seconds, the repeats' summary, and the
-        last image and ``usage``."""
+        last image and ``usage``. Each request's seconds are logged as it ends, so that a run killed part way keeps
+        them; the repeats stop at ``--deadline`` (the summary then says how many ran)."""
         first = self.post(port, body)[0]
+        log(f"  request: first {first:.3f} s")
         times, pixels, usage = [], None, {}
         for _ in range(self.args.repeats):
+            if times and self.left() < 0:
+                log(f"  repeats: {len(times)} of {self.args.repeats} before --deadline")
+                break
             elapsed, pixels, usage = self.post(port, body)
             times.append(elapsed)
+            log(f"  request: {elapsed:.3f} s")
         return first, summary(times), pixels, usage
 
     def cached_series(self, port: int, size: int, plain: np.ndarray) -> dict[str, Any]:
