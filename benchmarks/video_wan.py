@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from omni_models.integrations import family_offload_plan
 
         del pipe
-        if {"fp8", "compiled", "compiled_cache"} & set(phases):  # changed in place: another random draw, moved out
+        changed_in_place = bool({"fp8", "compiled", "compiled_cache"} & set(phases))
+        if changed_in_place:  # another random draw, filled on the device, moved out
             host_transformer = components(args, device)["transformer"].to("cpu")
         else:  # the transformer the omni phase ran: its frames are the reference
             host_transformer = built["transformer"].to("cpu")
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         outcome = run_omni(omni_pipeline(fresh, device, offload), request, device)
         outcome["device_weight_bytes"] = int(offload.resident_nbytes + 2 * offload.slot_nbytes)
-        record("offload", outcome, None if {"fp8", "compiled", "compiled_cache"} & set(phases) else "omni")
+        record("offload", outcome, None if changed_in_place else "omni")
     for name in ("omni", "cache", "compiled", "compiled_cache", "fp8", "fp8_compiled"):
         if name in results and "diffusers" in results:
             base = results["diffusers"]
