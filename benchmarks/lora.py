@@ -187,11 +187,18 @@ def profile_forwards(path: Path, device: torch.device, *forwards) -> None:
     sections = []
     for index, fn in enumerate(forwards):
         synchronize(device)
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=True) as prof:
+            start = time.perf_counter()
             fn()
             synchronize(device)
-        table = prof.key_averages()
+            wall_ms = 1e3 * (time.perf_counter() - start)
+        sections.append(f"=== forward {index}: {wall_ms:.1f} ms wall under the profiler ===")
+        shaped = prof.key_averages(group_by_input_shape=True)
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        sections.append(
+            f"=== forward {index} by device time and input shapes ===\n{shaped.table(sort_by=sort, row_limit=40)}"
+        )
+        table = prof.key_averages()
         sections.append(f"=== forward {index} by device time ===\n{table.table(sort_by=sort, row_limit=25)}")
         sections.append(
             f"=== forward {index} by host time ===\n{table.table(sort_by='self_cpu_time_total', row_limit=15)}"
@@ -271,6 +278,53 @@ def kernel_check(device: torch.device, dtype: torch.dtype, rank: int) -> list[di
     return report
 
 
+# The row path's matmuls at FLUX.1-dev 1024^2, batch 1 (tokens, in, shrink width, out): a single block's shared
+# shrink (MLP + Q/K/V) and its output projection, a double block's image Q/K/V, output and MLP, the text stream's.
+GEMM_SHAPES = (
+    (4608, 3072, 256, 12288),
+    (4608, 15360, 64, 3072),
+    (4096, 3072, 192, 3072),
+    (4096, 3072, 64, 12288),
+    (4096, 12288, 64, 3072),
+    (512, 3072, 192, 3072),
+    (512, 12288, 64, 3072),
+)
+
+
+def gemm_variants(device: torch.device, dtype: torch.dtype, rank: int) -> list[dict[str, Any]]:
+    """Device time of the row path's matmuls and of alternatives, per shape (``do_bench`` medians, ms): the base
+    linear; the shrink as served (``bmm`` against ``A^T``), as a 2-D ``mm``, split along ``in`` in 4; the base linear
+    with the shrink's A rows appended to its weight (one GEMM for both); the expand and add as served, and as one
+    ``addmm`` into the base output."""
+    from triton.testing import do_bench
+
+    report = []
+    for tokens, in_features, width, out_features in GEMM_SHAPES:
+        x = torch.randn(1, tokens, in_features, device=device, dtype=dtype)
+        weight = torch.randn(out_features, in_features, device=device, dtype=dtype) * in_features**-0.5
+        down = torch.randn(1, width, in_features, device=device, dtype=dtype) * in_features**-0.5
+        up = torch.randn(1, out_features, rank, device=device, dtype=dtype)
+        joined = torch.cat([weight, down[0]])
+        y = torch.nn.functional.linear(x, weight)
+        shrunk = torch.bmm(x, down.transpose(1, 2))[..., :rank]
+        chunks = x.view(tokens, 4, in_features // 4).transpose(0, 1)
+        down_chunks = down[0].view(width, 4, in_features // 4).permute(1, 2, 0)
+        cases = {
+            "base_linear": lambda: torch.nn.functional.linear(x, weight),
+            "shrink_bmm": lambda: torch.bmm(x, down.transpose(1, 2)),
+            "shrink_mm": lambda: torch.mm(x[0], down[0].t()),
+            "shrink_split4": lambda: torch.bmm(chunks, down_chunks).sum(0),
+            "base_with_shrink_rows": lambda: torch.nn.functional.linear(x, joined),
+            "expand_bmm_add": lambda: y + torch.bmm(shrunk, up.transpose(1, 2)),
+            "expand_addmm": lambda: torch.addmm(y[0], shrunk[0], up[0].t()),
+        }
+        row = {"tokens": tokens, "in": in_features, "width": width, "out": out_features}
+        row.update({name: do_bench(fn, return_mode="median") for name, fn in cases.items()})
+        report.append(row)
+        print("gemm " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -279,6 +333,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--image-tokens", type=int, default=4096, help="1024x1024 in FLUX.1's 2x2-packed tokens")
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10, help="timed forwards per figure (each one repeat)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="more runs of the batch-1 and batch-4 figures once warm, each base timed beside its LoRA case "
+        "(median of --iters each): the ratios' median and [min, max] over the runs",
+    )
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -290,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--adapter-dir", type=Path, default=None, help="where the adapters are written (OUT/adapters)")
     parser.add_argument("--kernel-check", action=argparse.BooleanOptionalAction, default=True, help="CUDA only")
+    parser.add_argument("--gemm-variants", action="store_true", help="CUDA only: time the row path's matmuls")
     parser.add_argument("--deadline", type=float, default=None, help="seconds: start no mode after this")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -320,6 +382,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as error:  # noqa: BLE001 - the step figures below still count; the JSON says what broke
             results["kernels"] = {"error": repr(error)}
             log(f"kernel check failed: {error!r}")
+        (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
+    if device.type == "cuda" and args.gemm_variants:
+        results["gemm_variants"] = gemm_variants(device, dtype, padded_rank(args.rank))
         (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
     transformer = build_transformer(args.smoke, device, dtype)
     start = time.perf_counter()
@@ -413,6 +478,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             warm_graphs = unique_graphs()
             warm_s = time.perf_counter() - mode_start
+            repeats = []  # interleaved: each run times the base next to its LoRA case, so drift hits both alike
+            for _ in range(args.repeats - 1):
+                run = {}
+                for key, bs, rows in (("one_adapter", 1, [a]), ("four_adapters", 4, [a, b, c, d])):
+                    base_run = timed(forward(bs), device, warmup=1, iters=args.iters)["median_ms"]
+                    lora_run = timed(with_rows(bs, rows), device, warmup=1, iters=args.iters)["median_ms"]
+                    run[key] = {"base_ms": base_run, "lora_ms": lora_run, "ratio": lora_run / base_run}
+                repeats.append(run)
             # The adapter reaches the output: its relative change of the batch-1 output (the same transformer seed,
             # adapters and inputs in every mode, so the modes' figures should agree; 0 would mean not applied).
             base_out = transformer(**batches[1])[0].float()
@@ -428,7 +501,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             synchronize(device)
             recompiles = unique_graphs() - warm_graphs
             runtime.close()
+        runs = [
+            {
+                "one_adapter": {
+                    "base_ms": base[1]["median_ms"],
+                    "lora_ms": timings["one_adapter"]["median_ms"],
+                    "ratio": timings["one_adapter"]["median_ms"] / base[1]["median_ms"],
+                },
+                "four_adapters": {
+                    "base_ms": base[4]["median_ms"],
+                    "lora_ms": timings["four_adapters"]["median_ms"],
+                    "ratio": timings["four_adapters"]["median_ms"] / base[4]["median_ms"],
+                },
+            },
+            *repeats,
+        ]
+        over_runs = {
+            key: {
+                "median": statistics.median(r[key]["ratio"] for r in runs),
+                "min": min(r[key]["ratio"] for r in runs),
+                "max": max(r[key]["ratio"] for r in runs),
+                "runs": len(runs),
+            }
+            for key in ("one_adapter", "four_adapters")
+        }
         results[mode] = {
+            "runs": runs,
+            "ratios_over_runs": over_runs,
             "base": base,
             "first_call_s": first_call_s,
             "base_graphs": base_graphs,
@@ -461,6 +560,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f" slot fill {statistics.mean(fill[1:] or fill):.4f} s per adapter;"
             f" mode took {time.perf_counter() - mode_start:.0f} s"
         )
+        if len(runs) > 1:
+            log(
+                f"{mode} over {len(runs)} runs: "
+                + "; ".join(
+                    f"{key} median {v['median']:.3f}x [{v['min']:.3f}, {v['max']:.3f}]" for key, v in over_runs.items()
+                )
+            )
         results["total_s"] = time.perf_counter() - started
         (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
