@@ -6,9 +6,9 @@ row (Punica's SGMV applied to the rows of a DiT batch: a row is one image's cond
 whole row). Two ways to add it:
 
 - the row path (torch ops; on the CPU, and what a compiled graph traces by default, ``compiled_path="torch"``):
-  ``rows()`` gathers every row's adapter, all target linears at once, in one copy per forward (``row_down [rows,
-  ...]``, ``row_up`` with the row's scale folded in), so each linear adds its delta with two batched matmuls on views
-  of that copy (``bmm`` for the shrink and for the expand, whose add a compiled graph fuses into the next op): no
+  ``rows()`` gathers every row's adapter, all target linears at once, in one copy per row and forward (``row_down
+  [rows, ...]``, ``row_up`` with the row's scale folded in), so each linear adds its delta with two batched matmuls on
+  views of that copy (``bmm`` for the shrink and for the expand, whose add a compiled graph fuses into the next op): no
   gather or scale kernel per linear. Linears that project one input (an attention's Q/K/V, FLUX's single-stream
   MLP beside them: ``SHARED_INPUT_GROUPS``) lie side by side in the copy and shrink together, one ``bmm`` of
   ``x`` against all their A factors, each taking its slice. The copy holds ``rows x`` one slot's bytes for the
@@ -452,6 +452,7 @@ class LoRARuntime:
         self._slots = [_Slot() for _ in range(options.max_loras)]
         self._clock = 0
         self._rows: LoRARows | None = None
+        self._copied = False  # inside ``rows()``, when it made the row path's copy
         self._apply = False  # inside ``rows()`` with a row on an adapter (or ``warming()``): the hooks add
         self.stats = LoRAStats()
         self._compiled = False
@@ -557,8 +558,9 @@ class LoRARuntime:
             if torch.compiler.is_compiling():
                 path = self._compiled_path
                 triton = self._triton and path == "kernels"
-            else:
-                triton = self._triton
+            else:  # eager: the row path where ``rows()`` made the row copy (a compiled model's linears outside its
+                # blocks: two small matmuls cost less host time than the kernels' opaque op), else the kernels
+                triton = self._triton and not self._copied
                 path = "kernels" if triton else "torch"
             if path == "torch":  # ``rows()`` made the row copy (eager without Triton, or ``compiled``)
                 if slots.group is None:
@@ -697,19 +699,20 @@ class LoRARuntime:
         any_adapter = bool(pinned) or self._warming
         device_slots = self._on_device(torch.tensor(indices, dtype=torch.int32))
         device_scales = self._on_device(torch.tensor([float(s) for s in scales], dtype=torch.float32))
-        if any_adapter and (not self._triton or (self.compiled and self._compiled_path == "torch")):
+        self._copied = any_adapter and (not self._triton or (self.compiled and self._compiled_path == "torch"))
+        if self._copied:
             self._copy_rows(indices, scales, device_scales)
         self._rows = LoRARows(device_slots, device_scales, any_adapter=any_adapter)
         self._apply = any_adapter
         try:
             yield self._rows
         finally:
-            self._rows, self._apply = None, False
+            self._rows, self._apply, self._copied = None, False, False
             for group in self.groups:  # a forward that raised between a group's members
                 group.clear()
 
     def _copy_rows(self, indices: list[int], scales: Sequence[float], device_scales: Tensor) -> None:
-        """The row path's copy: every row's slot (the zero slot for -1), all targets in one ``index_select`` per
+        """The row path's copy: every row's slot (the zero slot for -1), all targets in one copy per row and
         buffer, into a buffer kept for the most rows seen (``rows x`` one slot's bytes); each row's scale folded into
         its ``up``; the targets' row views re-pointed only when the row count changes."""
         num_rows = len(indices)
@@ -717,9 +720,10 @@ class LoRARuntime:
             self._row_copy = tuple(flat.new_empty(num_rows, flat.shape[1]) for flat in (self._down_flat, self._up_flat))
             self._row_views = 0
         down_rows, up_rows = (buffer[:num_rows] for buffer in self._row_copy)
-        copied = self._on_device(torch.tensor([len(self._slots) if i < 0 else i for i in indices]))
-        torch.index_select(self._down_flat, 0, copied, out=down_rows)
-        torch.index_select(self._up_flat, 0, copied, out=up_rows)
+        for row, index in enumerate(indices):  # a copy per row: index_select took 0.6 ms a buffer on the H200
+            slot = len(self._slots) if index < 0 else index
+            down_rows[row].copy_(self._down_flat[slot])
+            up_rows[row].copy_(self._up_flat[slot])
         if any(float(s) != 1.0 for s in scales):
             up_rows.mul_(device_scales[:, None])
         if self._row_views != num_rows:
