@@ -351,6 +351,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--adapter-dir", type=Path, default=None, help="where the adapters are written (OUT/adapters)")
     parser.add_argument("--kernel-check", action=argparse.BooleanOptionalAction, default=True, help="CUDA only")
+    parser.add_argument(
+        "--all-linear",
+        action="store_true",
+        help="LoRA on every linear (a server that loads adapters at run time), not only the adapters' own "
+        "(omni-server's default for --lora-modules)",
+    )
     parser.add_argument("--gemm-variants", action="store_true", help="CUDA only: time the row path's matmuls")
     parser.add_argument("--deadline", type=float, default=None, help="seconds: start no mode after this")
     args = parser.parse_args(argv)
@@ -436,6 +442,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 dtype=dtype,
                 compiled_path={"compiled_kernels": "kernels", "compiled_reference": "reference"}.get(mode, "torch"),
             )
+            results["adapter_reads_from_disk"] = evict_from_page_cache(files)
+            adapters = []
+            for i, file in enumerate(files):
+                adapters.append(runtime.register(f"adapter-{i}", file))
+            loads = {"register_s": [a.load_s for a in adapters]}
+            if not args.all_linear:  # omni-server's default for a fixed set of adapters (--lora-modules)
+                runtime.restrict(sorted(runtime.registered_layers()))
+            results["lora_targets"] = {"linears": len(runtime.linears), "targets": len(runtime.targets)}
             if mode.startswith("compiled"):
                 runtime.compiled = True  # as FamilyPipeline.compile sets it
                 compile_blocks(transformer, "eager" if args.smoke else "inductor")  # smoke: dynamo only, no C++
@@ -443,11 +457,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # as it is, which dynamo traces away (the graph of a transformer without LoRA).
                 base, first_call_s = measure_base()
             base_graphs = unique_graphs() - graphs_at_start
-            results["adapter_reads_from_disk"] = evict_from_page_cache(files)
-            adapters = []
-            for i, file in enumerate(files):
-                adapters.append(runtime.register(f"adapter-{i}", file))
-            loads = {"register_s": [a.load_s for a in adapters]}
             fill = []
             for adapter in adapters:
                 start = time.perf_counter()

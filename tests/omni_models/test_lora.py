@@ -9,6 +9,8 @@ file and changes nothing.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -321,6 +323,36 @@ def test_linears_sharing_an_input_shrink_it_once_and_each_add_their_own_delta(fl
     assert ("proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v") in {
         tuple(name.split(".", 2)[2] for name in group.names) for group in flux.lora.groups
     }
+
+
+def test_restricted_targets_draw_the_same_images_and_refuse_adapters_outside(flux_dev_dir, flux_adapters, flux, psnr):
+    """``restrict`` to the linears adapter A holds (what omni-server does for a fixed set of adapters): every other
+    linear loses its hook, so it launches nothing; A's image is the unrestricted pipeline's; an adapter with layers
+    elsewhere is one error naming its file, and changes nothing. ``select_targets`` matches as PEFT's
+    ``target_modules`` list does."""
+    from omni_models.lora import select_targets
+
+    pipe = omni_models.load(str(flux_dev_dir), lora=LoRAOptions(max_loras=2, max_rank=8), **TEXT)
+    lora = pipe.lora
+    assert set(lora.targets) == set(lora.linears)
+    lora.register("a", flux_adapters["a"])
+    lora.restrict(sorted(lora.registered_layers()))
+    assert set(lora.targets) == lora.registered_layers() and len(lora.targets) < len(lora.linears)
+    for name in lora.linears:
+        hooked = bool(pipe.transformer.get_submodule(name)._forward_hooks)
+        assert hooked == (name in lora.targets), name
+    image = pipe("a red circle", seed=3, lora="a", **COMMON)[0]
+    assert psnr(image, flux("a red circle", seed=3, lora="a", **COMMON)[0]) >= 60.0
+    with pytest.raises(LoRAError, match=f"^{re.escape(str(flux_adapters['b']))}: .*this server does not apply LoRA to"):
+        lora.register("b", flux_adapters["b"])
+    assert lora.get("b") is None and [a.name for a in lora.adapters()] == ["a"]
+    with pytest.raises(ValueError, match="adapter 'a' has layers outside the targets"):
+        lora.restrict(["transformer_blocks.0.attn.to_q"])
+    names = ["x.to_q", "x.to_k", "y.attn.to_q", "to_q_extra"]
+    assert select_targets(names, ["to_q"]) == ["x.to_q", "y.attn.to_q"]
+    assert select_targets(names, ["all-linear"]) == names
+    with pytest.raises(ValueError, match="'nope' names no linear"):
+        select_targets(names, ["to_q", "nope"])
 
 
 def test_a_compiled_pipeline_applies_its_adapters(flux_dev_dir, flux_adapters, flux):

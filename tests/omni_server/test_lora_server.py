@@ -187,6 +187,9 @@ def test_engine_mixes_adapters_in_each_step_bitwise_under_batch_invariant(family
         max_lora_rank=8,
     )
     pipeline = load_pipeline(config, max_sequence_length=16)  # few prompt tokens: the test is about the rows
+    # No runtime loading: LoRA applies to the linears the two adapters hold, no other (the server fixture, which
+    # loads adapter c at run time, keeps every linear).
+    assert set(pipeline.lora.targets) == pipeline.lora.registered_layers() < set(pipeline.lora.linears)
     resolved = [resolve_request(pipeline.info, r) for r in _mixed_requests()]
 
     def run(batch_invariant: bool, indices) -> dict[int, bytes]:
@@ -280,6 +283,11 @@ def test_generate_lora_path_scale_writes_what_the_server_draws(family_dirs, adap
         (["--enable-lora", "--lora-modules", "t={truncated}"], "{truncated}: cannot be read as a LoRA adapter"),
         (["--enable-lora", "--lora-modules", "q={qwen}"], "does not have as linears"),
         (["--lora-modules", "a={a}"], "--lora-modules configure LoRA serving; add --enable-lora"),
+        (
+            ["--enable-lora", "--lora-modules", "a={a}", "--lora-target-modules", "to_q", "to_k"],
+            "{a}: holds layers for 6 linears outside --lora-target-modules",
+        ),
+        (["--lora-target-modules", "to_q"], "--lora-target-modules configure LoRA serving; add --enable-lora"),
         (["--enable-lora", "--lora-modules", "a"], "expected name=path"),
     ],
 )

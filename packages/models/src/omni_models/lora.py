@@ -48,7 +48,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -393,6 +393,29 @@ def lora_targets(module: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in module.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
 
 
+ALL_LINEAR = "all-linear"
+
+
+def select_targets(names: Iterable[str], target_modules: Sequence[str]) -> list[str]:
+    """The ``names`` (module names) that ``target_modules`` selects as PEFT's ``target_modules`` list does: a name
+    equal to an entry or ending in ``"." + entry``; ``["all-linear"]`` selects them all. ``ValueError`` for an entry
+    that selects nothing."""
+    names = list(names)
+    if list(target_modules) == [ALL_LINEAR]:
+        return names
+    if not target_modules:
+        raise ValueError("no target modules given")
+    unmatched = [t for t in target_modules if not any(is_target(n, [t]) for n in names)]
+    if unmatched:
+        raise ValueError(f"target module {unmatched[0]!r} names no linear of the transformer")
+    return [n for n in names if is_target(n, target_modules)]
+
+
+def is_target(name: str, target_modules: Sequence[str]) -> bool:
+    """Whether ``select_targets`` would select module ``name``."""
+    return any(t == ALL_LINEAR or name == t or name.endswith("." + t) for t in target_modules)
+
+
 @functools.cache
 def _configure_dynamo_for_lora() -> None:
     """Once per process (the settings are dynamo's, global): see ``LoRARuntime.compiled``."""
@@ -457,7 +480,14 @@ class LoRARuntime:
         self.stats = LoRAStats()
         self._compiled = False
         self._warming = False
-        linears = lora_targets(transformer)
+        self._dtype = dtype
+        self._linears = lora_targets(transformer)
+        self._hooks = []
+        self._install(self._linears)
+
+    def _install(self, linears: Mapping[str, nn.Module]) -> None:
+        """Slot buffers, row views and a hook for each of ``linears`` (every group's members side by side)."""
+        options, device, dtype = self.options, self._device, self._dtype
         groups = shared_input_groups(list(linears), {name: m.in_features for name, m in linears.items()})
         group_of = {name: group for group in groups for name in group}
         order: list[str] = []  # the buffers' layout: each group's members side by side, the first where it was
@@ -475,7 +505,6 @@ class LoRARuntime:
         self._row_copy: tuple[Tensor, Tensor] | None = None  # [rows, ...] of both buffers, grown to the most rows
         self._row_views = 0  # the row count the targets' row views are for
         self.targets: dict[str, TargetSlots] = {}
-        self._hooks = []
         down_offset = up_offset = 0
         for (name, linear), down_size, up_size in zip(linears.items(), down_sizes, up_sizes, strict=True):
             target = TargetSlots(
@@ -505,6 +534,41 @@ class LoRARuntime:
             sum(s.nbytes for s in self.targets.values()) / 2**20,
             device,
         )
+
+    def restrict(self, names: Collection[str]) -> None:
+        """Apply LoRA to the linears ``names`` only (``select_targets``), before the first forward that could
+        apply one: the others lose their hook and slots, so a forward launches nothing for them, and ``register``
+        refuses an adapter with layers there. An adapter registered already must lie within ``names``; the slots
+        are emptied (they refill when used). For a fixed set of adapters, the linears they hold (vLLM's
+        ``--lora-target-modules``, which omni-server derives from ``--lora-modules`` when adapters cannot be added
+        at run time)."""
+        if self._rows is not None:
+            raise RuntimeError("LoRARuntime.restrict() inside rows()")
+        unknown = sorted(set(names) - set(self._linears))
+        if unknown:
+            raise ValueError(f"not linears of this transformer: {', '.join(unknown[:3])}")
+        if not names:
+            raise ValueError("restrict() needs at least one target linear")
+        for adapter in self._registry.values():
+            outside = self._outside(self._host_weights(adapter), names)
+            if outside:
+                raise ValueError(f"adapter {adapter.name!r} has layers outside the targets (e.g. {outside[0]})")
+        self.close()
+        self._slots = [_Slot() for _ in range(self.options.max_loras)]
+        self._install({name: m for name, m in self._linears.items() if name in set(names)})
+
+    @property
+    def linears(self) -> list[str]:
+        """Every linear an adapter could target (``lora_targets``), whatever ``restrict`` kept."""
+        return list(self._linears)
+
+    def registered_layers(self) -> set[str]:
+        """The linears that the registered adapters hold layers for."""
+        return {name for adapter in self._registry.values() for name in self._host_weights(adapter).layers}
+
+    @staticmethod
+    def _outside(weights: LoRAWeights, targets: Collection[str]) -> list[str]:
+        return sorted(name for name in weights.layers if name not in targets)
 
     @property
     def backend(self) -> Backend:
@@ -580,6 +644,14 @@ class LoRARuntime:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
         start = time.perf_counter()
         weights = self._read(Path(path))
+        outside = self._outside(weights, self.targets)
+        if outside:
+            raise LoRAError(
+                Path(path),
+                f"holds layers for {len(outside)} linears this server does not apply LoRA to (e.g. "
+                f"{', '.join(outside[:3])}); its target modules are restricted (--lora-target-modules, or the "
+                "linears of --lora-modules when adapters cannot be loaded at run time)",
+            )
         adapter = LoRAAdapter(
             name=name,
             path=Path(path),
@@ -762,6 +834,7 @@ class LoRARuntime:
 
 
 __all__ = [
+    "ALL_LINEAR",
     "CompiledPath",
     "LoRAAdapter",
     "LoRAError",
@@ -774,11 +847,13 @@ __all__ = [
     "SHARED_INPUT_GROUPS",
     "SharedShrink",
     "TargetSlots",
+    "is_target",
     "lora_add",
     "lora_add_rows",
     "lora_delta_reference",
     "lora_targets",
     "padded_rank",
+    "select_targets",
     "shared_input_groups",
     "use_triton",
 ]

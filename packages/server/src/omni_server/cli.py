@@ -71,8 +71,8 @@ def _argument(name: str) -> dict[str, typing.Any]:
         kwargs["type"] = type(info.values[0])
     elif "parse" in extra:
         kwargs["type"] = str  # config.build_config parses 512M-style sizes and lists
-        if extra["parse"] == "lora_modules":
-            kwargs["nargs"] = "+"  # vllm serve's --lora-modules a=PATH b=PATH
+        if extra["parse"] in ("lora_modules", "names"):
+            kwargs["nargs"] = "+"  # vllm serve's --lora-modules a=PATH b=PATH, --lora-target-modules to_q to_k
     elif isinstance(info, msgspec.inspect.IntType):
         kwargs["type"] = int
     elif isinstance(info, msgspec.inspect.FloatType):

@@ -218,6 +218,17 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             le=512,
         ),
     ] = 16
+    lora_target_modules: Annotated[
+        list[str] | None,
+        setting(
+            "the linears LoRA applies to, as PEFT's target_modules: module names or name suffixes (to_q "
+            "attn.to_out.0 ...) or all-linear; an adapter with layers elsewhere is refused (default: the linears the "
+            "--lora-modules adapters hold, when adapters cannot be loaded at run time; else all-linear)",
+            group="LoRAConfig",
+            parse="names",
+            metavar="NAME",
+        ),
+    ] = None
     allow_runtime_lora_updating: Annotated[
         bool,
         setting(
@@ -656,6 +667,7 @@ def _check_lora_rules(config: ServerConfig) -> None:
             for name, value in (
                 ("lora_modules", config.lora_modules),
                 ("max_cpu_loras", config.max_cpu_loras),
+                ("lora_target_modules", config.lora_target_modules),
                 ("allow_runtime_lora_updating", config.allow_runtime_lora_updating),
             )
             if value
@@ -672,6 +684,10 @@ def _check_lora_rules(config: ServerConfig) -> None:
         raise ConfigError(
             "--enable-lora runs on one rank; drop --cfg-parallel-size/--sequence-parallel-size or --enable-lora"
         )
+    if config.lora_target_modules is not None and not all(t.strip() for t in config.lora_target_modules):
+        raise ConfigError("--lora-target-modules takes module names or suffixes (or all-linear); got an empty one")
+    if config.lora_target_modules == []:
+        raise ConfigError("--lora-target-modules needs at least one module name (or all-linear)")
     seen: set[str] = set()
     for module in config.lora_modules:
         if module.name in seen:
@@ -765,7 +781,19 @@ def parse_list(value: str | list[str]) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-PARSERS = {"human_int": parse_human_int, "list": parse_list, "lora_modules": parse_lora_modules}
+def parse_names(value: str | list[str]) -> list[str]:
+    """Names given as separate arguments (``--lora-target-modules to_q to_k``, as vLLM takes them), each of which
+    may also be a JSON or comma-separated list."""
+    items = value if isinstance(value, list) else [value]
+    return [name for item in items for name in parse_list(str(item))]
+
+
+PARSERS = {
+    "human_int": parse_human_int,
+    "list": parse_list,
+    "names": parse_names,
+    "lora_modules": parse_lora_modules,
+}
 
 
 def build_config(file_values: Mapping[str, Any] | None = None, **overrides: Any) -> ServerConfig:

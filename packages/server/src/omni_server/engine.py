@@ -34,11 +34,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from omni_models import GenerationRequest, ModelInfo, ResolvedRequest, StepwisePipeline
 from omni_models.step_cache import StepCacheStats
-from omni_server.config import ServerConfig
+from omni_server.config import ConfigError, ServerConfig
 from omni_server.protocol import (
     EngineOutput,
     EngineReady,
@@ -51,6 +51,9 @@ from omni_server.protocol import (
     UnloadLoRAAdapter,
 )
 from omni_server.strategies import BatchedStrategy, Ended, EngineRequest, PagedStrategy
+
+if TYPE_CHECKING:
+    from omni_models.lora import LoRARuntime
 
 R = TypeVar("R")
 logger = logging.getLogger("omni_server.engine")
@@ -497,7 +500,7 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
     import torch
 
     import omni_models
-    from omni_server.startup import load_options, lora_error, lora_options, serving_options
+    from omni_server.startup import load_options, lora_options, serving_options
 
     device = torch.device(config.resolved_device())
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
@@ -516,12 +519,32 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
         device,
         "compiled" if options["compile"] else "eager",
     )
+    if pipeline.lora is not None:
+        restrict_lora_targets(config, pipeline.lora)
+    return pipeline
+
+
+def restrict_lora_targets(config: ServerConfig, lora: LoRARuntime) -> None:
+    """Register ``--lora-modules`` and choose the linears LoRA applies to (before anything compiles): those of
+    ``--lora-target-modules``; without it, when adapters cannot be loaded at run time, the linears the start
+    adapters hold (the only adapters this server will serve), so no other linear launches a LoRA op."""
+    import omni_models
+    from omni_models.lora import select_targets
+    from omni_server.startup import lora_error
+
+    if config.lora_target_modules is not None:
+        try:
+            lora.restrict(select_targets(lora.linears, config.lora_target_modules))
+        except ValueError as exc:
+            raise ConfigError(f"--lora-target-modules: {exc}") from None
     for module in config.lora_modules:  # checked at start already (check_startup); an error here stops the start
         try:
-            pipeline.lora.register(module.name, module.path)
+            lora.register(module.name, module.path)
         except omni_models.LoRAError as exc:
             raise lora_error(module.name, exc) from None
-    return pipeline
+    if config.lora_target_modules is None and config.lora_modules and not config.allow_runtime_lora_updating:
+        lora.restrict(sorted(lora.registered_layers()))
+    logger.info("LoRA applies to %d of the transformer's %d linears", len(lora.targets), len(lora.linears))
 
 
 def build_engine(config: ServerConfig) -> EngineCore:

@@ -81,11 +81,20 @@ def check_lora_modules(config: ServerConfig, spec: ModelSpec) -> None:
         raise ConfigError(
             f"--enable-lora: {spec.info.variant} ({spec.kind}) does not support LoRA adapters; drop --enable-lora"
         )
+    from omni_models.lora import is_target
+
     for module in config.lora_modules:
         try:
-            omni_models.inspect_lora(config.model, module.path, max_rank=config.max_lora_rank)
+            weights = omni_models.inspect_lora(config.model, module.path, max_rank=config.max_lora_rank)
         except omni_models.LoRAError as exc:
             raise lora_error(module.name, exc) from None
+        targets = config.lora_target_modules
+        outside = [] if targets is None else sorted(n for n in weights.layers if not is_target(n, targets))
+        if outside:
+            raise ConfigError(
+                f"--lora-modules {module.name}: {module.path}: holds layers for {len(outside)} linears outside "
+                f"--lora-target-modules (e.g. {', '.join(outside[:3])})"
+            )
 
 
 # The flag behind each option name a library's message may use (load's options, dlo_offload's plan).
