@@ -268,17 +268,20 @@ def test_an_fp8_linear_keeps_its_weights_and_gets_the_delta():
 class _Projections(nn.Module):
     """An attention's Q/K/V as diffusers names them, with K optionally on another input (cross-attention)."""
 
-    def __init__(self) -> None:
+    def __init__(self, k_width: int) -> None:
         super().__init__()
-        self.to_q, self.to_k, self.to_v = nn.Linear(32, 24), nn.Linear(32, 16), nn.Linear(32, 24)
+        self.to_q, self.to_k, self.to_v = nn.Linear(32, 24), nn.Linear(32, k_width), nn.Linear(32, 24)
 
     def forward(self, x, other=None):
         return torch.cat([self.to_q(x), self.to_k(x if other is None else other), self.to_v(x)], dim=-1)
 
 
-def test_linears_sharing_an_input_shrink_it_once_and_each_add_their_own_delta(flux):
+@pytest.mark.parametrize("k_width, expands", [(16, 3), (24, 1)])
+def test_linears_sharing_an_input_shrink_it_once_and_each_add_their_own_delta(flux, k_width, expands):
     """The row path's shared shrink: Q/K/V (and FLUX's single-stream MLP beside them) shrink their one input in one
-    ``bmm``. A member called on another tensor shrinks that anew, so the output stays each linear's own delta."""
+    ``bmm``, and members of equal output width expand in one ``bmm`` too (Q/K/V of equal widths: 1; Q 24, K 16, V
+    24: 3). A member called on another tensor shrinks and expands that anew, so the output stays each linear's own
+    delta."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from omni_models.lora import LoRALayer, LoRAWeights
@@ -293,7 +296,7 @@ def test_linears_sharing_an_input_shrink_it_once_and_each_add_their_own_delta(fl
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    model = _Projections()
+    model = _Projections(k_width)
     layers = {
         name: LoRALayer(torch.randn(3, 32) * 0.2, torch.randn(linear.out_features, 3) * 0.2, scaling=2.0)
         for name, linear in model.named_children()
@@ -305,7 +308,7 @@ def test_linears_sharing_an_input_shrink_it_once_and_each_add_their_own_delta(fl
     assert [group.names for group in runtime.groups] == [("to_q", "to_k", "to_v")]
     adapter = runtime.register("x", "unused.safetensors")
     x, other = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
-    for k_input, bmm_calls in ((None, 1 + 3), (other, 3 + 3)):  # shared: one shrink; K elsewhere: every member's
+    for k_input, bmm_calls in ((None, 1 + expands), (other, 3 + 3)):  # K elsewhere: every member's own
         base = model(x, k_input)
         counter = CountBmm()
         with runtime.rows([adapter, None], [0.5, 1.0]), counter:

@@ -334,38 +334,70 @@ def lora_add_rows(y: Tensor, x: Tensor, down_rows: Tensor, up_rows: Tensor) -> T
 
 class SharedShrink:
     """Linears that take one input, laid side by side in the row copy: the first of them a forward calls shrinks
-    ``x`` against all their A factors at once (``row_down [rows, members x R, in]``), each member adds its own
-    slice's expand. The shrink is kept only until every member has read it (``pending``), or until ``rows()``
-    ends. ``shrink`` reads only what every block's group of one class holds alike (``members``, ``rank``, the
-    tensors), never ``names``: dynamo guards on each attribute a compiled block reads, and a guard on the names
-    would compile the block class once per block, until dynamo's recompile limit sends the rest to eager."""
+    ``x`` against all their A factors at once (``row_down [rows, members x R, in]``), and the members of a run of
+    equal output widths (Q/K/V) expand together, one ``bmm`` over the run's B factors (``row_up``, side by side as
+    well); each member adds its own slice. What one member computed is kept only until every member has read it
+    (``pending``), or until ``rows()`` ends; a member called on another tensor shrinks and expands that anew.
+    ``delta`` reads only what every block's group of one class holds alike (``members``, ``rank``, ``runs``, the
+    tensors), never ``names``: dynamo guards on each attribute a compiled block reads, and a guard on the names would
+    compile the block class once per block, until dynamo's recompile limit sends the rest to eager."""
 
-    def __init__(self, names: Sequence[str], rank: int) -> None:
+    def __init__(self, names: Sequence[str], rank: int, out_features: Sequence[int]) -> None:
         self.names, self.rank = tuple(names), rank
         self.members = len(self.names)
+        self.out_features = tuple(out_features)
+        runs, start = [], 0  # (first member, count) of each run of equal output widths
+        for index in range(1, self.members + 1):
+            if index == self.members or self.out_features[index] != self.out_features[start]:
+                runs.append((start, index - start))
+                start = index
+        self.runs = tuple(runs)
+        self.run_of = tuple(next(r for r, (f, c) in enumerate(runs) if f <= m < f + c) for m in range(self.members))
         self.row_down: Tensor | None = None
+        self.run_up: list[Tensor | None] = [None] * len(self.runs)  # [rows, count, out, R] of each run
         self.clear()
 
     def clear(self) -> None:
         self.input: Tensor | None = None
         self.shrunk: Tensor | None = None
+        self.expanded: list[Tensor | None] = [None] * len(self.runs)
         self.pending = 0
 
-    def view_rows(self, down_rows: Tensor, offset: int, in_features: int) -> None:
-        self.row_down = TargetSlots._span(down_rows, offset, self.members * self.rank, in_features)
+    def view_rows(self, down_rows: Tensor, up_rows: Tensor, offsets: tuple[int, int], in_features: int) -> None:
+        down_offset, up_offset = offsets
+        self.row_down = TargetSlots._span(down_rows, down_offset, self.members * self.rank, in_features)
+        for run, (first, count) in enumerate(self.runs):
+            out = self.out_features[first]
+            offset = up_offset + self.rank * sum(self.out_features[:first])
+            span = TargetSlots._span(up_rows, offset, count * out, self.rank)
+            self.run_up[run] = span.view(span.shape[0], count, out, self.rank)
 
-    def shrink(self, x: Tensor, member: int) -> Tensor:
-        """``x @ A^T`` for member ``member`` (``[rows, S, R]``), from the group's shared shrink of ``x``."""
+    def delta(self, x: Tensor, member: int) -> Tensor:
+        """Member ``member``'s LoRA delta of ``x`` (``[rows, S, out]``), from its run's shared expand."""
+        self._shrink(x)
+        run = self.run_of[member]
+        first, count = self.runs[run]
+        if self.expanded[run] is None:
+            batch, tokens = self.shrunk.shape[0], self.shrunk.shape[1]
+            shrunk = self.shrunk[..., first * self.rank : (first + count) * self.rank]
+            shrunk = shrunk.reshape(batch, tokens, count, self.rank).transpose(1, 2).reshape(-1, tokens, self.rank)
+            up = self.run_up[run].reshape(-1, self.out_features[first], self.rank)
+            self.expanded[run] = torch.bmm(shrunk, up.transpose(1, 2)).view(batch, count, tokens, -1)
+        return self._read(self.expanded[run][:, member - first])
+
+    def _shrink(self, x: Tensor) -> None:
         if self.input is not x:  # the first member of this forward, or one called on another tensor
             batch = x.shape[0]
+            self.clear()
             self.input = x
             self.shrunk = torch.bmm(x.reshape(batch, -1, x.shape[-1]), self.row_down.transpose(1, 2))
             self.pending = self.members
-        shrunk = self.shrunk[..., member * self.rank : (member + 1) * self.rank]
+
+    def _read(self, result: Tensor) -> Tensor:
         self.pending -= 1
         if self.pending == 0:  # every member has read it: a compiled block keeps nothing past its graph
             self.clear()
-        return shrunk
+        return result
 
 
 def shared_input_groups(names: Sequence[str], in_features: Mapping[str, int]) -> list[list[str]]:
@@ -521,7 +553,7 @@ class LoRARuntime:
             self.targets[name] = target
             self._hooks.append(linear.register_forward_hook(self._hook(target)))
         for members in groups:
-            group = SharedShrink(members, self.rank)
+            group = SharedShrink(members, self.rank, [linears[name].out_features for name in members])
             for index, name in enumerate(members):
                 self.targets[name].group, self.targets[name].member = group, index
             self.groups.append(group)
@@ -629,8 +661,7 @@ class LoRARuntime:
             if path == "torch":  # ``rows()`` made the row copy (eager without Triton, or ``compiled``)
                 if slots.group is None:
                     return lora_add_rows(output, x, slots.row_down, slots.row_up)
-                shrunk = slots.group.shrink(x, slots.member)
-                return output + torch.bmm(shrunk, slots.row_up.transpose(1, 2)).view(output.shape)
+                return output + slots.group.delta(x, slots.member).reshape(output.shape)
             return lora_add(output, x, slots.down, slots.up, self._unit_scaling, rows, triton=triton)
 
         return add_lora
@@ -803,7 +834,7 @@ class LoRARuntime:
                 target.view_rows(down_rows, up_rows)
             for group in self.groups:
                 first = self.targets[group.names[0]]
-                group.view_rows(down_rows, first.down_offset, first.in_features)
+                group.view_rows(down_rows, up_rows, (first.down_offset, first.up_offset), first.in_features)
             self._row_views = num_rows
 
     def _on_device(self, host: Tensor) -> Tensor:
