@@ -519,8 +519,9 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
         device,
         "compiled" if options["compile"] else "eager",
     )
-    if pipeline.lora is not None:
-        restrict_lora_targets(config, pipeline.lora)
+    lora = getattr(pipeline, "lora", None)  # the diffusers families' (with --enable-lora); other kinds have none
+    if lora is not None:
+        restrict_lora_targets(config, lora)
     return pipeline
 
 
