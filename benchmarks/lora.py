@@ -25,6 +25,10 @@ one run, each against its baseline:
   forward outside ``runtime.rows()``: dynamo does not guard on module hooks, so hooks added after the first compiled
   call never run (the 2026-12-02c run measured exactly that, see RESULTS.md); ``adapter_relative_change_of_output``
   (> 0, equal across modes) shows that the adapter reached the output;
+- LoRA applies to the linears the four adapters hold (``LoRARuntime.restrict``: omni-server's default for a fixed
+  set of ``--lora-modules``); ``--all-linear`` keeps every linear (a server that loads adapters at run time);
+- ``--repeats N``: N runs of the batch-1 and batch-4 ratios once warm, each base timed just before its LoRA case;
+  the median and [min, max] of the run ratios are what RESULTS.md quotes;
 - adapter load: ``LoRARuntime.register`` (read, convert, check, host copy; the files' pages are dropped from the
   page cache first, so the read is from the disk) and the first slot fill (host to device).
 
