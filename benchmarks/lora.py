@@ -329,6 +329,11 @@ def gemm_variants(device: torch.device, dtype: torch.dtype, rank: int) -> list[d
     return report
 
 
+def run_figures(base_ms: float, lora_ms: float) -> dict[str, float]:
+    """One run's base and LoRA medians and their ratio."""
+    return {"base_ms": base_ms, "lora_ms": lora_ms, "ratio": lora_ms / base_ms}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -497,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for key, bs, rows in (("one_adapter", 1, [a]), ("four_adapters", 4, [a, b, c, d])):
                     base_run = timed(forward(bs), device, warmup=1, iters=args.iters)["median_ms"]
                     lora_run = timed(with_rows(bs, rows), device, warmup=1, iters=args.iters)["median_ms"]
-                    run[key] = {"base_ms": base_run, "lora_ms": lora_run, "ratio": lora_run / base_run}
+                    run[key] = run_figures(base_run, lora_run)
                 repeats.append(run)
             # The adapter reaches the output: its relative change of the batch-1 output (the same transformer seed,
             # adapters and inputs in every mode, so the modes' figures should agree; 0 would mean not applied).
@@ -514,21 +519,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             synchronize(device)
             recompiles = unique_graphs() - warm_graphs
             runtime.close()
-        runs = [
-            {
-                "one_adapter": {
-                    "base_ms": base[1]["median_ms"],
-                    "lora_ms": timings["one_adapter"]["median_ms"],
-                    "ratio": timings["one_adapter"]["median_ms"] / base[1]["median_ms"],
-                },
-                "four_adapters": {
-                    "base_ms": base[4]["median_ms"],
-                    "lora_ms": timings["four_adapters"]["median_ms"],
-                    "ratio": timings["four_adapters"]["median_ms"] / base[4]["median_ms"],
-                },
-            },
-            *repeats,
-        ]
+        first_run = {
+            key: run_figures(base[bs]["median_ms"], timings[key]["median_ms"])
+            for key, bs in (("one_adapter", 1), ("four_adapters", 4))
+        }
+        runs = [first_run, *repeats]
         over_runs = {
             key: {
                 "median": statistics.median(r[key]["ratio"] for r in runs),

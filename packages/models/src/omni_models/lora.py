@@ -149,6 +149,7 @@ class LoRAAdapter:
     num_layers: int
     nbytes: int
     load_s: float  # reading the file and converting it, the first time
+    layers: frozenset[str]  # the linears it holds layers for
 
 
 @dataclass(frozen=True)
@@ -346,13 +347,13 @@ class SharedShrink:
         self.names, self.rank = tuple(names), rank
         self.members = len(self.names)
         self.out_features = tuple(out_features)
-        runs, start = [], 0  # (first member, count) of each run of equal output widths
-        for index in range(1, self.members + 1):
-            if index == self.members or self.out_features[index] != self.out_features[start]:
-                runs.append((start, index - start))
-                start = index
-        self.runs = tuple(runs)
-        self.run_of = tuple(next(r for r, (f, c) in enumerate(runs) if f <= m < f + c) for m in range(self.members))
+        runs, run_of = [], []  # (first member, count) of each run of equal output widths; each member's run
+        for member, out in enumerate(self.out_features):
+            if member == 0 or out != self.out_features[member - 1]:
+                runs.append((member, 0))
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            run_of.append(len(runs) - 1)
+        self.runs, self.run_of = tuple(runs), tuple(run_of)
         self.row_down: Tensor | None = None
         self.run_up: list[Tensor | None] = [None] * len(self.runs)  # [rows, count, out, R] of each run
         self.clear()
@@ -433,8 +434,6 @@ def select_targets(names: Iterable[str], target_modules: Sequence[str]) -> list[
     equal to an entry or ending in ``"." + entry``; ``["all-linear"]`` selects them all. ``ValueError`` for an entry
     that selects nothing."""
     names = list(names)
-    if list(target_modules) == [ALL_LINEAR]:
-        return names
     if not target_modules:
         raise ValueError("no target modules given")
     unmatched = [t for t in target_modules if not any(is_target(n, [t]) for n in names)]
@@ -576,18 +575,19 @@ class LoRARuntime:
         at run time)."""
         if self._rows is not None:
             raise RuntimeError("LoRARuntime.restrict() inside rows()")
-        unknown = sorted(set(names) - set(self._linears))
+        keep = set(names)
+        unknown = sorted(keep - set(self._linears))
         if unknown:
             raise ValueError(f"not linears of this transformer: {', '.join(unknown[:3])}")
-        if not names:
+        if not keep:
             raise ValueError("restrict() needs at least one target linear")
         for adapter in self._registry.values():
-            outside = self._outside(self._host_weights(adapter), names)
+            outside = sorted(adapter.layers - keep)
             if outside:
                 raise ValueError(f"adapter {adapter.name!r} has layers outside the targets (e.g. {outside[0]})")
         self.close()
         self._slots = [_Slot() for _ in range(self.options.max_loras)]
-        self._install({name: m for name, m in self._linears.items() if name in set(names)})
+        self._install({name: m for name, m in self._linears.items() if name in keep})
 
     @property
     def linears(self) -> list[str]:
@@ -596,11 +596,7 @@ class LoRARuntime:
 
     def registered_layers(self) -> set[str]:
         """The linears that the registered adapters hold layers for."""
-        return {name for adapter in self._registry.values() for name in self._host_weights(adapter).layers}
-
-    @staticmethod
-    def _outside(weights: LoRAWeights, targets: Collection[str]) -> list[str]:
-        return sorted(name for name in weights.layers if name not in targets)
+        return {name for adapter in self._registry.values() for name in adapter.layers}
 
     @property
     def backend(self) -> Backend:
@@ -675,7 +671,7 @@ class LoRARuntime:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
         start = time.perf_counter()
         weights = self._read(Path(path))
-        outside = self._outside(weights, self.targets)
+        outside = sorted(set(weights.layers) - set(self.targets))
         if outside:
             raise LoRAError(
                 Path(path),
@@ -690,6 +686,7 @@ class LoRARuntime:
             num_layers=len(weights.layers),
             nbytes=weights.nbytes,
             load_s=time.perf_counter() - start,
+            layers=frozenset(weights.layers),
         )
         self._registry[name] = adapter
         self._keep_on_host(adapter, weights)

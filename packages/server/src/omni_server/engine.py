@@ -521,11 +521,11 @@ def load_pipeline(config: ServerConfig, **overrides: object) -> StepwisePipeline
     )
     lora = getattr(pipeline, "lora", None)  # the diffusers families' (with --enable-lora); other kinds have none
     if lora is not None:
-        restrict_lora_targets(config, lora)
+        register_lora_modules(config, lora)
     return pipeline
 
 
-def restrict_lora_targets(config: ServerConfig, lora: LoRARuntime) -> None:
+def register_lora_modules(config: ServerConfig, lora: LoRARuntime) -> None:
     """Register ``--lora-modules`` and choose the linears LoRA applies to (before anything compiles): those of
     ``--lora-target-modules``; without it, when adapters cannot be loaded at run time, the linears the start
     adapters hold (the only adapters this server will serve), so no other linear launches a LoRA op."""
