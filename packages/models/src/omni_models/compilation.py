@@ -9,13 +9,11 @@ count of every graph dynamo compiles.
 - the causal-prefix DiT turns on its CUDA graphs (``omni_models.graphs``; its fused Triton ops are on already).
 
 Shapes. Step batching changes a forward's row count and every request may ask for another size, so the graphs are
-compiled with ``dynamic=True``: one graph covers every sequence length, and steady serving never recompiles once
-the warm-up has run. A block's row inputs (``ROW_INPUTS``) have their first dimension marked as an unbacked size,
-so that one row and several rows share a graph too (dynamo would otherwise specialize a dimension of size 1 and
-compile every block class a second time for two rows); a module without row inputs (the VAE decoder) keeps
-torch's rule, one graph for one row and one for several. ``warmup_shapes`` lists the (rows, size) pairs an
-engine should run before it reports ready. ``compile_count`` counts every graph compiled in this process (dynamo's
-frame counter), so a server can show and a test can assert that serving after warm-up compiled nothing.
+compiled with ``dynamic=True``: one graph covers every row count and sequence length (torch specializes a
+dimension of size 1, so one row and several rows are two graphs), and steady serving never recompiles once those
+have run. ``warmup_shapes`` lists the (rows, size) pairs an engine should run before it reports ready.
+``compile_count`` counts every graph compiled in this process (dynamo's frame counter), so a server can show and
+a test can assert that serving after warm-up compiled nothing.
 
 Cache. ``use_compile_cache(directory)`` points inductor's FX graph and AOTAutograd caches (and Triton's kernel
 cache) at ``directory`` before anything compiles, so a restart reuses what the last start compiled instead of
@@ -110,40 +108,7 @@ def _plain_inputs(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tu
 
     if torch.is_grad_enabled():
         return None
-    args, kwargs = tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
-    positions = _module.__dict__.get("_omni_row_positions")
-    if positions:
-        _mark_rows_unbacked(positions, args, kwargs)
-    return args, kwargs
-
-
-# The inputs of a diffusers transformer block whose first dimension is the batch's rows, by the names diffusers'
-# blocks give them. The VAE's modules take none of them.
-ROW_INPUTS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb")
-
-
-def _row_positions(forward: Any) -> dict[str, int]:
-    """``ROW_INPUTS`` among ``forward``'s parameters, each with its position."""
-    import inspect
-
-    names = list(inspect.signature(forward).parameters)
-    return {name: names.index(name) for name in ROW_INPUTS if name in names}
-
-
-def _mark_rows_unbacked(positions: dict[str, int], args: tuple, kwargs: dict[str, Any]) -> None:
-    """Mark the first dimension of every row input (the rows of ``hidden_states``) as an unbacked size: dynamo then
-    neither specializes one row (a size-1 dimension otherwise gets a graph of its own) nor guards on the count,
-    so one graph serves every row count. An input whose first dimension is not the row count is left as it is."""
-    import torch
-
-    given = {name: args[i] if i < len(args) else kwargs.get(name) for name, i in positions.items()}
-    hidden = given.get("hidden_states")
-    if not isinstance(hidden, torch.Tensor):
-        return
-    rows = hidden.shape[0]
-    for value in given.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            torch._dynamo.decorators.mark_unbacked(value, 0)
+    return tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
 
 
 def compile_modules(modules: Sequence[Any], settings: CompileSettings) -> int:
@@ -163,8 +128,6 @@ def compile_modules(modules: Sequence[Any], settings: CompileSettings) -> int:
 
     fx_config.use_duck_shape = False
     for module in modules:
-        if settings.dynamic:
-            module._omni_row_positions = _row_positions(module.forward)
         module.forward = torch.compile(module.forward, **settings.kwargs())
         module._omni_plain_inputs = module.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
     return len(modules)
@@ -175,7 +138,6 @@ def restore_modules(modules: Sequence[Any]) -> int:
     compiled. For changing what the modules hold (quantizing their linears, say) and compiling them afresh."""
     restored = 0
     for module in modules:
-        module.__dict__.pop("_omni_row_positions", None)
         hook = module.__dict__.pop("_omni_plain_inputs", None)
         if hook is not None:
             hook.remove()

@@ -43,14 +43,6 @@ def rotate_complex(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(3).type_as(x)
 
 
-def _dense(x: Tensor) -> Tensor:
-    """``x`` laid out contiguously. Traced, this is a copy that asks nothing of the row count (``contiguous()``
-    asks whether the rows are one, a guard that would give one row its own graph)."""
-    if torch.compiler.is_compiling():
-        return x.clone(memory_format=torch.contiguous_format)
-    return x.contiguous()
-
-
 class _OmniAttnProcessor:
     """What every omni processor holds: the dtype its attention runs in (``omni_models.attention``: "auto", or
     "fp8"), checked once when it is built."""
@@ -103,8 +95,8 @@ class OmniFluxAttnProcessor(_OmniAttnProcessor):
             return out
         text_len = encoder_hidden_states.shape[1]
         text_out, image_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
-        image_out = attn.to_out[1](attn.to_out[0](_dense(image_out)))
-        return image_out, attn.to_add_out(_dense(text_out))
+        image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
+        return image_out, attn.to_add_out(text_out.contiguous())
 
 
 class OmniQwenImageAttnProcessor(_OmniAttnProcessor):
@@ -157,10 +149,10 @@ class OmniQwenImageAttnProcessor(_OmniAttnProcessor):
             text_lengths,
             self.attention_dtype,
         )
-        image_out = attn.to_out[0](_dense(image_out))
+        image_out = attn.to_out[0](image_out.contiguous())
         if len(attn.to_out) > 1:
             image_out = attn.to_out[1](image_out)
-        return image_out, attn.to_add_out(_dense(text_out))
+        return image_out, attn.to_add_out(text_out.contiguous())
 
 
 @torch.compiler.disable

@@ -167,13 +167,6 @@ class LoRARows:
         return self.slots.shape[0]
 
 
-def _unbacked_rows(*tensors: Tensor) -> None:
-    """Mark each tensor's leading dimension (the forward's rows) as an unbacked size, as the compiled blocks' row
-    inputs are (``omni_models.compilation``), so that the LoRA path's graphs take every row count too."""
-    for tensor in tensors:
-        torch._dynamo.decorators.mark_unbacked(tensor, 0)
-
-
 # --- the op ----------------------------------------------------------------------------------------------------
 
 
@@ -238,12 +231,8 @@ def _(y: Tensor, x: Tensor, down: Tensor, up: Tensor, scaling: Tensor, slots: Te
 
 
 def _check_rows(x: Tensor, rows: LoRARows) -> int:
-    """``x``'s row count, which must be the row table's (a target's leading dimension is the batch of rows).
-    Traced, the row count is an unbacked size (``omni_models.compilation``), so the check is a runtime assert."""
+    """``x``'s row count, which must be the row table's (a target's leading dimension is the batch of rows)."""
     batch = x.shape[0]
-    if torch.compiler.is_compiling():
-        torch._check(batch == rows.slots.shape[0], lambda: "a LoRA target's rows are not the row table's")
-        return batch
     if batch != rows.num_rows:
         raise ValueError(
             f"a LoRA target got {batch} rows but the forward's row table has {rows.num_rows}: the module's leading "
@@ -813,8 +802,6 @@ class LoRARuntime:
         self._copied = any_adapter and (not self._triton or (self.compiled and self._compiled_path == "torch"))
         if self._copied:
             self._copy_rows(indices, scales, device_scales)
-        if self.compiled:  # the graphs take any row count (omni_models.compilation): so do the row tables
-            _unbacked_rows(device_slots, device_scales)
         self._rows = LoRARows(device_slots, device_scales, any_adapter=any_adapter)
         self._apply = any_adapter
         try:
@@ -846,9 +833,6 @@ class LoRARuntime:
                 first = self.targets[group.names[0]]
                 group.view_rows(down_rows, up_rows, (first.down_offset, first.up_offset), first.in_features)
             self._row_views = num_rows
-            if self.compiled:
-                _unbacked_rows(*(t for target in self.targets.values() for t in (target.row_down, target.row_up)))
-                _unbacked_rows(*(t for group in self.groups for t in (group.row_down, *group.run_up)))
 
     def _on_device(self, host: Tensor) -> Tensor:
         return host.to(self._device, non_blocking=True)
