@@ -11,7 +11,9 @@ count of every graph dynamo compiles.
 Shapes. Step batching changes a forward's row count and every request may ask for another size, so the graphs are
 compiled with ``dynamic=True``: one graph covers every row count and sequence length (torch specializes a
 dimension of size 1, so one row and several rows are two graphs), and steady serving never recompiles once those
-have run. ``warmup_shapes`` lists the (rows, size) pairs an engine should run before it reports ready.
+have run. Marking the row count as an unbacked size instead gave one graph for every row count but, on the H200,
+a 20% slower served FLUX.1 image and a slower compile (RESULTS.md, 2026-12-03d), so rows keep torch's rule.
+``warmup_shapes`` lists the (rows, size) pairs an engine should run before it reports ready.
 ``compile_count`` counts every graph compiled in this process (dynamo's frame counter), so a server can show and
 a test can assert that serving after warm-up compiled nothing.
 
