@@ -19,7 +19,8 @@ a test can assert that serving after warm-up compiled nothing.
 
 Cache. ``use_compile_cache(directory)`` points inductor's FX graph and AOTAutograd caches (and Triton's kernel
 cache) at ``directory`` before anything compiles, so a restart reuses what the last start compiled instead of
-running inductor again (dynamo still traces: that part is seconds).
+running inductor again. Dynamo still traces every graph again: FLUX.1-dev's warm start on the H200 still spent 35 s
+warming up (RESULTS.md, 2026-12-02f).
 """
 
 from __future__ import annotations
