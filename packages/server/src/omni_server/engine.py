@@ -29,7 +29,6 @@ and an error in one request never stops the loop.
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import logging
 import os
 import time
@@ -93,7 +92,8 @@ class Timer:
 
 
 # zlib level 1, not PIL's 6: on the 2-core development machine a smooth 1024^2 image took 43 ms instead of 69 ms (its
-# file 30 KB instead of 9 KB), a noise image 268 ms instead of 328 ms (3 MB either way). A request waits for its PNG.
+# file 30 KB instead of 9 KB), a noise image 268 ms instead of 328 ms (3 MB either way). A request waits for its PNG,
+# so it is deflated on several threads too (omni_server.png).
 PNG_COMPRESS_LEVEL = 1
 
 
@@ -108,9 +108,9 @@ def encode_output(output: object, *, video_crf: int | None = None) -> bytes:
         from omni_server.video_io import DEFAULT_CRF, encode_mp4
 
         return encode_mp4(frames, output.fps, crf=DEFAULT_CRF if video_crf is None else video_crf)
-    buffer = io.BytesIO()
-    output.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
-    return buffer.getvalue()
+    from omni_server.png import encode_png
+
+    return encode_png(output, level=PNG_COMPRESS_LEVEL)
 
 
 def request_error(exc: BaseException) -> RequestError:
