@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from omni_server.engine import PNG_COMPRESS_LEVEL
-from omni_server.png import encode_png
+from omni_server.png import default_threads, encode_png
 
 
 def images(side: int) -> dict[str, Image.Image]:
@@ -60,10 +59,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 512, 256])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    results: dict = {"cpus": cpus, "level": PNG_COMPRESS_LEVEL, "repeats": args.repeats, "cases": []}
+    threads = default_threads()
+    results: dict = {"threads": threads, "level": PNG_COMPRESS_LEVEL, "repeats": args.repeats, "cases": []}
     encoders = {"pillow": pillow, "omni_1_thread": lambda im: encode_png(im, threads=1), "omni": encode_png}
-    print(f"PNG at zlib level {PNG_COMPRESS_LEVEL}, {cpus} CPUs, median of {args.repeats} [min, max]")
+    print(f"PNG at zlib level {PNG_COMPRESS_LEVEL}, omni on {threads} threads, median of {args.repeats} [min, max]")
     for side in args.sizes:
         for name, image in images(side).items():
             figures = {label: timed(encode, image, args.repeats) for label, encode in encoders.items()}

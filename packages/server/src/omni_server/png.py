@@ -15,13 +15,16 @@ Pillow's encoder is the reference: ``tests/omni_server/test_png.py`` decodes bot
 from __future__ import annotations
 
 import concurrent.futures
-import os
+import functools
+import io
 import struct
 import threading
 import zlib
 
 import numpy as np
 from PIL import Image
+
+from omni_server.cpu_budget import usable_cpus
 
 # Channels of the modes written directly; any other mode goes through Pillow.
 _COLOUR_TYPES = {"L": (0, 1), "RGB": (2, 3), "RGBA": (6, 4)}
@@ -33,12 +36,17 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+@functools.cache
+def default_threads() -> int:
+    """The CPUs this process may use (affinity mask and cgroup quota: ``omni_server.cpu_budget``), at most 8."""
+    return min(_MAX_THREADS, usable_cpus().count)
+
+
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            workers = max(1, min(_MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="png-deflate")
+            _pool = concurrent.futures.ThreadPoolExecutor(default_threads(), thread_name_prefix="png-deflate")
         return _pool
 
 
@@ -63,16 +71,14 @@ def filtered_scanlines(pixels: np.ndarray) -> np.ndarray:
 
 
 def encode_png(image: Image.Image, *, level: int = 1, threads: int | None = None) -> bytes:
-    """``image`` as PNG bytes, deflated at zlib ``level`` on up to ``threads`` threads (default: the CPUs this
-    process may use, at most 8; chunks are at least 256 KiB). Modes other than L, RGB and RGBA go through
+    """``image`` as PNG bytes, deflated at zlib ``level`` on up to ``threads`` threads (default:
+    ``default_threads()``; chunks are at least 256 KiB). Modes other than L, RGB and RGBA go through
     Pillow at the same level."""
     if not 0 <= level <= 9:
         raise ValueError(f"level must be in [0, 9], got {level}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if image.mode not in _COLOUR_TYPES:
-        import io
-
         buffer = io.BytesIO()
         image.save(buffer, format="PNG", compress_level=level)
         return buffer.getvalue()
@@ -80,7 +86,7 @@ def encode_png(image: Image.Image, *, level: int = 1, threads: int | None = None
     pixels = np.asarray(image, dtype=np.uint8).reshape(image.height, image.width, channels)
     lines = filtered_scanlines(pixels)
     data = memoryview(lines.reshape(-1))
-    count = max(1, min(threads or _executor()._max_workers, len(data) // _MIN_CHUNK_BYTES, lines.shape[0]))
+    count = max(1, min(threads or default_threads(), len(data) // _MIN_CHUNK_BYTES, lines.shape[0]))
     bounds = [lines.shape[1] * (lines.shape[0] * i // count) for i in range(count + 1)]
     pieces = [data[bounds[i] : bounds[i + 1]] for i in range(count)]
     if count == 1:
@@ -93,4 +99,4 @@ def encode_png(image: Image.Image, *, level: int = 1, threads: int | None = None
     return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", stream) + _png_chunk(b"IEND", b"")
 
 
-__all__ = ["encode_png", "filtered_scanlines"]
+__all__ = ["default_threads", "encode_png", "filtered_scanlines"]
