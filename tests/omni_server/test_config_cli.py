@@ -236,6 +236,7 @@ def test_the_server_compiles_only_on_cuda_for_kinds_that_can_and_never_under_off
             sequence_parallel=True,
             compile=True,
             prompt_embed_cache=True,
+            batched_image_tokens=True,
         ),
     )
     cuda = build_config(None, device="cuda")
@@ -250,10 +251,26 @@ def test_the_server_compiles_only_on_cuda_for_kinds_that_can_and_never_under_off
         "compile": True,
         "compile_cache_dir": "/c",
         "prompt_embed_cache_size": 32,
+        "max_batched_image_tokens": 4096,
         "attention_dtype": "auto",
     }
     cpu = serving_options(build_config(None, device="cpu", compile_cache_dir="/c", attention_dtype="fp8"), music)
-    assert cpu == {"compile": False, "compile_cache_dir": None, "prompt_embed_cache_size": 32, "attention_dtype": "fp8"}
+    assert cpu == {
+        "compile": False,
+        "compile_cache_dir": None,
+        "prompt_embed_cache_size": 32,
+        "max_batched_image_tokens": 4096,
+        "attention_dtype": "fp8",
+    }
+    plain = msgspec.structs.replace(
+        music, capabilities=msgspec.structs.replace(music.capabilities, batched_image_tokens=False)
+    )
+    assert (
+        serving_options(build_config(None, device="cpu", max_batched_image_tokens=64), plain)[
+            "max_batched_image_tokens"
+        ]
+        == 0
+    )
 
 
 FRONT_PROCESS = """

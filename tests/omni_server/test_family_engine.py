@@ -4,7 +4,10 @@ aborts."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from PIL import Image
 
 from omni_models import GenerationRequest, InvalidRequestError, resolve_request
 from omni_server.config import build_config
@@ -218,3 +221,95 @@ def test_a_compiled_pipeline_is_warmed_up_at_its_served_shapes_and_serving_then_
     done = _run(engine)
     assert sorted(done) == ["a", "b"] and all(o.error is None for o in done.values())
     assert engine.stats().recompiles_since_ready == 0
+
+
+def _row_tokens(pipeline, size: int) -> int:
+    """The image tokens of one row at ``size``² (latents of a prepared job)."""
+    job = pipeline.prepare(resolve_request(pipeline.info, GenerationRequest(prompt="dog", height=size, width=size)))[0]
+    return pipeline.row_tokens(job)
+
+
+def test_a_forward_batches_at_most_max_batched_image_tokens_and_keeps_a_jobs_cfg_rows_together(
+    pipelines, monkeypatch, tools
+) -> None:
+    """``max_batched_image_tokens``: rows past the budget run in the next forward of the same step, a job's cond
+    and uncond rows in one forward, a job over the budget alone, and the VAE decodes in batches within it. A job
+    that runs alone under the budget gives the image a batch-invariant run gives, bit for bit; the others match
+    the unbounded run."""
+    pipeline = pipelines["qwen-image"]
+    tokens = _row_tokens(pipeline, 32)
+    assert _row_tokens(pipeline, 16) * 4 == tokens
+    unguided = dict(negative_prompt="blurry", guidance_scale=1.0)  # guidance 1 turns Qwen-Image's true CFG off
+    requests = {
+        "cfg": dict(prompt="a red circle", height=32, width=32, num_inference_steps=2, seed=1),  # cond + uncond
+        "two": dict(prompt="a blue square", height=32, width=32, n=2, num_inference_steps=2, seed=2, **unguided),
+        "small": dict(prompt="dog", height=16, width=16, n=3, num_inference_steps=2, seed=3),  # 3 x 2 rows
+    }
+    forwards = Counter(monkeypatch, pipeline.backend, "forward")
+    decodes = Counter(monkeypatch, pipeline.backend, "decode")
+
+    def run(budget: int, **config) -> dict[str, list[bytes]]:
+        monkeypatch.setattr(pipeline, "max_batched_image_tokens", budget)
+        engine = _engine(pipeline, max_rows_per_step=0, **config)
+        for name, fields in requests.items():
+            _add(engine, name, **fields)
+        done = _run(engine)
+        assert sorted(done) == sorted(requests) and all(o.error is None for o in done.values())
+        return {name: o.outputs for name, o in done.items()}
+
+    unbounded = run(0)
+    assert forwards.calls == [4, 6] * 2 and sorted(decodes.calls) == [3, 3]
+    invariant = run(0, batch_invariant=True)
+    forwards.calls.clear(), decodes.calls.clear()
+    run(2 * tokens)
+    # Per step at 32x32: cfg's 2 rows fill the budget, then two's 2 rows; at 16x16 small's 6 rows are 1.5 of it.
+    assert forwards.calls == [2, 2, 6] * 2
+    assert sorted(decodes.calls) == [1, 2, 3]  # 32x32: cfg and two's first, then two's second; 16x16: all 3
+    forwards.calls.clear(), decodes.calls.clear()
+    bounded = run(tokens)
+    assert forwards.calls == [2, 1, 1, 4, 2] * 2  # cfg alone over the budget, two's rows one by one, small 2 + 1
+    assert sorted(decodes.calls) == [1, 1, 1, 3]
+    assert bounded["cfg"] == invariant["cfg"] and bounded["two"] == invariant["two"]
+    for name in requests:
+        for image, reference in zip(bounded[name], unbounded[name], strict=True):
+            assert tools.psnr(*(Image.open(io.BytesIO(b)) for b in (image, reference))) >= 40.0, name
+
+
+def test_the_forward_token_budget_is_checked_and_only_the_families_take_it() -> None:
+    """A negative budget is refused before anything loads; the DiT refuses it by name."""
+    import omni_models
+    from omni_models import load
+
+    with pytest.raises(ValueError, match="max_batched_image_tokens must be >= 0"):
+        load("omni-shapes-tiny", max_batched_image_tokens=-1)
+    with pytest.raises(ValueError, match="max_batched_image_tokens applies to the diffusers families"):
+        load("omni-shapes-tiny", max_batched_image_tokens=64)
+    assert omni_models.inspect("omni-shapes-tiny").capabilities.batched_image_tokens is False
+
+
+def test_at_one_row_per_forward_the_warm_up_compiles_only_one_row_graphs(family_dirs):
+    """Issue 24 (cold start): with the budget at one row of the served size, the warm-up's two-image request runs
+    its rows one per forward and compiles nothing: 3 graphs (the double-stream block, the single-stream block, the
+    VAE decoder) where 7 compile without it; concurrent requests at that size then compile nothing either."""
+    import torch._dynamo
+
+    import omni_models
+    from omni_models.compilation import compile_count
+    from omni_server.engine import EngineCore
+
+    torch._dynamo.reset()
+    try:
+        pipeline = omni_models.load(str(family_dirs["flux"]), compile=True, compile_backend="eager")
+        height, width = pipeline.info.image.smallest_listed_size()
+        budget = _row_tokens(pipeline, height)
+        pipeline.max_batched_image_tokens = budget
+        before = compile_count()
+        engine = EngineCore(pipeline, build_config(None, model="unused", device="cpu"))
+        assert compile_count() - before == 3
+        _add(engine, "a", prompt="a red circle", height=height, width=width, n=2, num_inference_steps=2, seed=1)
+        _add(engine, "b", prompt="a blue square", height=height, width=width, num_inference_steps=2, seed=2)
+        done = _run(engine)
+        assert sorted(done) == ["a", "b"] and all(o.error is None for o in done.values())
+        assert engine.stats().recompiles_since_ready == 0
+    finally:
+        torch._dynamo.reset()

@@ -457,6 +457,7 @@ def build_family_pipeline(
     offload: Any = None,
     fp8: Any = None,
     prompt_embed_cache_size: int = 0,
+    max_batched_image_tokens: int = 0,
     offloads: Mapping[str, Any] | None = None,
     attention_dtype: str = "auto",
 ) -> FamilyPipeline:
@@ -487,6 +488,7 @@ def build_family_pipeline(
         offload=offloads.get("transformer"),
         fp8=fp8,
         prompt_embed_cache_size=prompt_embed_cache_size,
+        max_batched_image_tokens=max_batched_image_tokens,
     )
     built.offloads = offloads
     return built
@@ -559,6 +561,7 @@ def inspect_family(family: DiffusersFamily, directory: Path, name: str) -> Model
             attention_heads=int(transformer.get("num_attention_heads", 1)),
             compile=family.compile,
             prompt_embed_cache=True,
+            batched_image_tokens=True,
             lora=family.lora,
             fp8_attention=family_attends_in_omni(family),
         ),
@@ -590,7 +593,8 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
     the cache, never the bf16 shards; a miss quantizes and publishes it), else online. ``options.layerwise_offload``
     keeps the transformer's blocks in host memory and streams them through two device slots (``pipe.offload``).
     ``options.compile`` compiles the repeated blocks and the VAE decoder (``FamilyPipeline.compile``; the first
-    forward of each shape compiles); ``options.prompt_embed_cache_size`` keeps that many prompts' embeddings.
+    forward of each shape compiles); ``options.prompt_embed_cache_size`` keeps that many prompts' embeddings;
+    ``options.max_batched_image_tokens`` caps a forward's batch (``FamilyPipeline.forward_parts``).
     ``options.lora`` adds LoRA slots and hooks on the transformer's linears, after FP8 and offload
     (``pipe.lora``: ``omni_models.lora_files.enable_family_lora``).
     """
@@ -666,6 +670,7 @@ def load_family(family: DiffusersFamily, directory: Path, name: str, options: Lo
             offloads=offloads,
             fp8=_merged_report(reports),
             prompt_embed_cache_size=options.prompt_embed_cache_size,
+            max_batched_image_tokens=options.max_batched_image_tokens,
             attention_dtype=options.attention_dtype,
         )
         if options.lora is not None:

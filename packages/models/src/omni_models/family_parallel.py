@@ -165,3 +165,5 @@ def enable_family_parallel(pipe: FamilyPipeline, state: ParallelState) -> None:
         attention_dtype = next(iter(pipe.transformer.attn_processors.values())).attention_dtype
         pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state, attention_dtype))
     pipe.backend = ParallelFamilyBackend(pipe.backend, state)
+    # The budget is one rank's: a forward's rows (CFG) and tokens (SP) are shared out over the ranks.
+    pipe.max_batched_image_tokens *= state.cfg_size * state.sp_size

@@ -96,6 +96,8 @@ class LoadOptions:
     compile_backend: str = "inductor"
     compile_cache_dir: Path | None = None  # inductor's FX graph / AOTAutograd caches, reused by a restart
     prompt_embed_cache_size: int = 0  # diffusers families: prompts whose text embeddings stay cached (LRU)
+    # diffusers families: the most image tokens one transformer forward or VAE decode batches (0: no limit)
+    max_batched_image_tokens: int = 0
     lora: LoRAOptions | None = None  # diffusers families: serve LoRA adapters per request (``pipeline.lora``)
     attention_dtype: AttentionDtype = "auto"  # diffusers families: "fp8" attends in FP8 (omni_models.attention)
 
@@ -122,6 +124,10 @@ class LoadOptions:
         )
         if self.prompt_embed_cache_size < 0:
             raise ValueError(f"prompt_embed_cache_size must be >= 0, got {self.prompt_embed_cache_size}")
+        if self.max_batched_image_tokens < 0:
+            raise ValueError(
+                f"max_batched_image_tokens must be >= 0 (0: no limit), got {self.max_batched_image_tokens}"
+            )
         check_attention_dtype(self.attention_dtype)
 
 
@@ -215,6 +221,7 @@ def load(
     compile_backend: str = "inductor",
     compile_cache_dir: str | Path | None = None,
     prompt_embed_cache_size: int = 0,
+    max_batched_image_tokens: int = 0,
     lora: LoRAOptions | None = None,
     attention_dtype: AttentionDtype = "auto",
     allow_download: bool = False,
@@ -231,8 +238,10 @@ def load(
     (``omni_models.compilation``: the families' repeated blocks and VAE decoder with ``torch.compile``, the DiT's
     CUDA graphs; ``ModelSpec.capabilities.compile`` says whether a kind can), keeping inductor's caches in
     ``compile_cache_dir`` when given. ``prompt_embed_cache_size`` keeps that many prompts' text embeddings (the
-    families; LRU, ``omni_models.prompt_cache``). ``lora`` (``omni_models.lora.LoRAOptions``) gives a diffusers
-    family's pipeline ``pipeline.lora``, where adapters are registered and then named per request.
+    families; LRU, ``omni_models.prompt_cache``). ``max_batched_image_tokens`` caps the image tokens one transformer
+    forward or VAE decode of a family batches (``FamilyPipeline.forward_parts``; 0: no limit). ``lora``
+    (``omni_models.lora.LoRAOptions``) gives a diffusers family's pipeline ``pipeline.lora``, where adapters are
+    registered and then named per request.
     ``attention_dtype="fp8"`` runs the diffusers families' attention in FP8 (``omni_models.attention``; opt-in,
     ``ModelSpec.capabilities.fp8_attention`` says which kinds can). A bad checkpoint
     raises ``CheckpointError`` before anything is placed on ``device``."""
@@ -256,6 +265,7 @@ def load(
         compile_backend=compile_backend,
         compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
         prompt_embed_cache_size=prompt_embed_cache_size,
+        max_batched_image_tokens=max_batched_image_tokens,
         lora=lora,
         attention_dtype=attention_dtype,
     )
@@ -264,6 +274,21 @@ def load(
 
         use_compile_cache(options.compile_cache_dir)
     return kind_of(directory).module().load(directory, name_or_path, options)
+
+
+def import_for_load(name_or_path: str) -> None:
+    """Import what ``load`` of this model will import: torch, its kind's backend and, for a diffusers family, the
+    checkpoint's pipeline class (with the transformers classes it pulls in). It reads only the model's metadata
+    (which kind it is) and loads nothing, so a server can run it while its checks of the model run elsewhere;
+    a problem with the model raises here as it would in ``inspect``."""
+    import torch  # noqa: F401  (most of the time: the backends import it lazily)
+
+    kind = kind_of(resolve_model_dir(name_or_path))
+    kind.module()
+    if kind.pipeline_class is not None:
+        from omni_models.diffusers_adapter import library_class
+
+        library_class("diffusers", kind.pipeline_class)
 
 
 def inspect_lora(name_or_path: str, lora_path: str | Path, *, max_rank: int) -> LoRAWeights:
@@ -289,6 +314,7 @@ __all__ = [
     "check_attention_dtype",
     "check_compile_options",
     "check_load_options",
+    "import_for_load",
     "inspect",
     "inspect_lora",
     "kind_of",

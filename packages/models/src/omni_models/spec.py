@@ -186,6 +186,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     attention_heads: int | None = None
     compile: bool = False  # load(compile=True) compiles it for serving (omni_models.compilation)
     prompt_embed_cache: bool = False  # load(prompt_embed_cache_size=N) caches prompt embeddings
+    batched_image_tokens: bool = False  # load(max_batched_image_tokens=N) caps the image tokens of a forward's batch
     lora: bool = False  # serves LoRA adapters per request (``omni_models.lora``)
     fp8_attention: bool = False  # load(attention_dtype="fp8") attends in FP8 (``omni_models.attention``)
 

@@ -97,10 +97,7 @@ class VideoFamilyPipeline(FamilyPipeline):
 
         config = self.transformer.config
         width = config.num_attention_heads * config.attention_head_dim
-        _, frames, height, width_latent = job.latents.shape
-        _, p_h, p_w = config.patch_size
-        tokens = frames * (height // p_h) * (width_latent // p_w)
-        streams = [(tokens * width,)] * job.num_rows
+        streams = [(self.row_tokens(job) * width,)] * job.num_rows
         return JobStepCache.bytes_bound(job.step_cache.config, streams, torch.finfo(self.dtype).bits // 8)
 
     @torch.no_grad()
@@ -111,7 +108,14 @@ class VideoFamilyPipeline(FamilyPipeline):
         for job in jobs:
             by_key[job.batch_key].append(job)
         for (_, _, _, expert), group in by_key.items():
-            self._step_video_group(group, expert)
+            for part in self.forward_parts(group):
+                self._step_video_group(part, expert)
+
+    def row_tokens(self, job: FamilyJob) -> int:
+        """The video tokens of one of ``job``'s rows: latent frames times the patched latent grid."""
+        _, frames, height, width = job.latents.shape
+        _, p_h, p_w = self.transformer.config.patch_size
+        return frames * (height // p_h) * (width // p_w)
 
     def _step_video_group(self, group: Sequence[VideoJob], expert: int) -> None:
         rows, caches = [], []

@@ -303,6 +303,20 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             ge=0,
         ),
     ] = 8
+    max_batched_image_tokens: Annotated[
+        int,
+        setting(
+            "diffusers families: the most image tokens (output and reference latents) one transformer forward or "
+            "VAE decode batches; further rows of the step run in the next forward, a request's CFG rows together "
+            "(from 1024² on one row fills an H200, and a second row count would cost compiled graphs of its "
+            "own); 0: no limit",
+            group="SchedulerConfig",
+            commands=BOTH,
+            ge=0,
+            parse="human_int",
+            metavar="TOKENS",
+        ),
+    ] = 4096
     batch_invariant: Annotated[
         bool,
         setting(

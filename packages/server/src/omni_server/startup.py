@@ -45,13 +45,15 @@ def compiles(config: ServerConfig, spec: ModelSpec) -> bool:
 
 def serving_options(config: ServerConfig, spec: ModelSpec) -> dict[str, object]:
     """``omni_models.load`` keyword arguments that depend on what the model is: compile (``compiles``) with its
-    cache directory, the prompt-embedding cache (the kinds whose capabilities have one), and the attention's dtype
-    (``check_startup`` refuses ``--attention-dtype fp8`` for a kind without FP8 attention)."""
+    cache directory, the prompt-embedding cache and the forward's image-token budget (the kinds whose capabilities
+    have them), and the attention's dtype (``check_startup`` refuses ``--attention-dtype fp8`` for a kind without
+    FP8 attention)."""
     compiled = compiles(config, spec)
     return dict(
         compile=compiled,
         compile_cache_dir=config.compile_cache_dir if compiled else None,
         prompt_embed_cache_size=config.prompt_embed_cache_size if spec.capabilities.prompt_embed_cache else 0,
+        max_batched_image_tokens=config.max_batched_image_tokens if spec.capabilities.batched_image_tokens else 0,
         attention_dtype=config.attention_dtype,
     )
 

@@ -76,6 +76,11 @@ def load(directory: Path, name: str, options: LoadOptions) -> Pipeline:
             "prompt_embed_cache_size applies to the diffusers families; a causal-prefix DiT keeps each prompt's "
             "K/V in its paged cache instead"
         )
+    if options.max_batched_image_tokens:
+        raise ValueError(
+            "max_batched_image_tokens applies to the diffusers families; the DiT's forwards are bounded by its paged "
+            "K/V pool"
+        )
     inspect(directory, name)  # a bad directory fails here, before anything is built
     # Imported here: ``inspect`` (the server's API process checks a model with it) reads metadata without torch.
     import torch

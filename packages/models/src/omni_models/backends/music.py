@@ -47,6 +47,7 @@ def load(directory: Path, name: str, options: LoadOptions) -> MusicPipeline:
             ("cuda_graphs", options.cuda_graphs),
             ("compile", options.compile),
             ("prompt_embed_cache_size", options.prompt_embed_cache_size > 0),
+            ("max_batched_image_tokens", options.max_batched_image_tokens > 0),
             ("max_sequence_length", options.max_sequence_length is not None),
             ("lora", options.lora is not None),
             ("attention_dtype", options.attention_dtype != "auto"),
