@@ -8,12 +8,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+import pytest
 
 
 def test_sigkill_of_the_engine_fails_fast_and_leaves_no_orphans(server_factory, tools) -> None:
@@ -84,14 +88,36 @@ def test_engine_start_up_failure_exits_nonzero_with_the_reason(tmp_path, tools) 
     assert "cannot size the KV pool" in result.stderr
 
 
-def test_an_unknown_model_stops_serve_before_the_engine_starts(tmp_path, tools) -> None:
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (this user's, read from /proc)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["{tmp}/no-such-model"], "no-such-model"),
+        (["--fp8-cache-dir", "{tmp}/fp8"], "needs quantization='fp8'"),
+    ],
+)
+def test_a_failed_check_stops_serve_and_its_prestarted_engine_having_loaded_nothing(tmp_path, tools, args, fragment):
+    """``serve`` spawns its engine before ``check_startup`` (the engine imports meanwhile); a check that fails
+    exits 2 with its one line, and the engine process is gone with it, having written nothing."""
+    marker = f"OMNI_TEST_MARK={uuid.uuid4().hex}"
     result = subprocess.run(
         [
             sys.executable,
             "-m",
             "omni_server",
             "serve",
-            str(tmp_path / "no-such-model"),
+            *(a.format(tmp=tmp_path) for a in args),
             "--device",
             "cpu",
             "--port",
@@ -100,6 +126,38 @@ def test_an_unknown_model_stops_serve_before_the_engine_starts(tmp_path, tools) 
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, marker.split("=")[0]: marker.split("=")[1]},
     )
     assert result.returncode == 2
-    assert "no-such-model" in result.stderr and "engine" not in result.stderr
+    assert fragment in result.stderr and "engine" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert _processes_with(marker) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_prestarted_engine_imports_then_waits_for_start_loading(tools) -> None:
+    """The engine process of ``prestart_engine`` loads nothing until ``StartLoading``: only heartbeats come before
+    it, then the engine reports ready; ``Shutdown`` ends it."""
+    from omni_server.client import prestart_engine
+    from omni_server.config import build_config
+    from omni_server.protocol import EngineReady, Heartbeat, Shutdown, StartLoading, decode_output, encode
+
+    config = build_config(None, device="cpu", kv_cache_memory_bytes="32M")
+    engine = prestart_engine(config)
+    try:
+        deadline = time.monotonic() + 8.0  # long enough for the tiny model to load, were it loading
+        while time.monotonic() < deadline:
+            if engine.conn.poll(0.2):
+                assert isinstance(decode_output(engine.conn.recv_bytes()), Heartbeat)
+        assert engine.process.is_alive()
+        engine.conn.send_bytes(encode(StartLoading()))
+        deadline = time.monotonic() + 120.0
+        while True:
+            assert time.monotonic() < deadline, "no EngineReady"
+            if engine.conn.poll(1.0) and isinstance(decode_output(engine.conn.recv_bytes()), EngineReady):
+                break
+        engine.conn.send_bytes(encode(Shutdown()))
+        engine.process.join(30)
+        assert engine.process.exitcode == 0
+    finally:
+        engine.stop(0.0)

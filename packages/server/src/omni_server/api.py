@@ -40,7 +40,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_models import GenerationRequest, InvalidRequestError, ModelInfo, ResolvedRequest, resolve_request
-from omni_server.client import EngineClient, EngineStartError
+from omni_server.client import EngineClient, EngineProcess, EngineStartError
 from omni_server.config import LoRAModule, ServerConfig
 from omni_server.errors import APIError, error_response, invalid_field
 from omni_server.http_guard import install_guards
@@ -387,9 +387,14 @@ def _page(file_name: str, model_name: str) -> tuple[str, dict[str, str]]:
 
 
 def create_app(
-    config: ServerConfig, *, on_engine_failure: Callable[[str], None] | None = None, drain: DrainState | None = None
+    config: ServerConfig,
+    *,
+    on_engine_failure: Callable[[str], None] | None = None,
+    drain: DrainState | None = None,
+    engine: EngineProcess | None = None,
 ) -> FastAPI:
-    """Build the app; its lifespan starts the engine process and stops it on shutdown.
+    """Build the app; its lifespan starts the engine process (``engine``: one ``prestart_engine`` spawned) and stops
+    it on shutdown.
 
     ``drain`` (owned by ``serve``) turns the server away from new work; the app counts its in-flight
     generation requests in ``app.state.in_flight`` so the drain knows when they are done.
@@ -409,7 +414,13 @@ def create_app(
         progress.update(stats)
         videos.update(stats)
 
-    client = EngineClient(config, on_stats=on_stats, on_restart=metrics.engine_restarts.inc, on_dead=on_engine_failure)
+    client = EngineClient(
+        config,
+        on_stats=on_stats,
+        on_restart=metrics.engine_restarts.inc,
+        on_dead=on_engine_failure,
+        prestarted=engine,
+    )
     state = ServerState(config, client, metrics, progress, drain)
     videos = VideoJobs(state)  # reads --video-dir back: the videos kept from before this start
     client_stopping = threading.Event()

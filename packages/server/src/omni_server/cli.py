@@ -8,7 +8,9 @@ line leaves out and an explicit flag always wins. ``generate`` adds the request'
 
 Start-up order: flags -> config (``ConfigError``: exit 2) -> ``check_startup`` (the model's metadata and the
 libraries' rules: exit 2) -> for ``generate``, the request checked against the model's ``ModelInfo`` (exit 2) ->
-only then anything is loaded.
+only then anything is loaded. ``serve`` spawns its engine process before ``check_startup``: the process imports
+what loading needs while the checks run, and is discarded, having loaded nothing, when they fail
+(``omni_server.client.prestart_engine``).
 """
 
 from __future__ import annotations
@@ -229,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.exit(2, f"omni-server: error: {exc}\n")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = None
+    if args.command == "serve":
+        from omni_server.client import prestart_engine
+
+        engine = prestart_engine(config)
     from omni_models import CheckpointError, InvalidRequestError, MissingDependencyError
     from omni_server.startup import check_startup
 
@@ -239,11 +246,17 @@ def main(argv: list[str] | None = None) -> int:
 
             check_video_dir(config)
     except (ConfigError, CheckpointError, InvalidRequestError, MissingDependencyError) as exc:
+        if engine is not None:
+            engine.stop(0.0)
         parser.exit(2, f"omni-server: error: {' '.join(str(exc).split())}\n")
+    except BaseException:
+        if engine is not None:
+            engine.stop(0.0)
+        raise
     if args.command == "serve":
         from omni_server.serve import serve
 
-        return serve(config)
+        return serve(config, engine=engine)
     from omni_server.generate import GenerateError, generate_to_files, request_from_args
 
     try:

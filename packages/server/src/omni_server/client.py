@@ -1,10 +1,13 @@
 """The API process's handle on the engine process: spawn, talk, watch, restart, stop.
 
-Lifecycle: ``start()`` spawns the engine process and returns at once; the engine reports ``EngineReady``
-only after load -> profile -> KV pool sizing -> warm-up. A reader thread per engine process waits on the
-pipe *and* the process sentinel together, so the death of the engine (crash, OOM-kill, SIGKILL) is seen
-within milliseconds. The engine also sends a ``Heartbeat`` every ``HEARTBEAT_INTERVAL_S``; an engine that
-is alive but silent for ``engine_heartbeat_timeout_s`` (frozen, SIGSTOPped, swapped out) is *stalled*.
+Lifecycle: ``start()`` spawns the engine process (or adopts the one ``prestart_engine`` spawned before the server's
+checks ran) and returns at once. An engine process first imports what loading needs, then waits for
+``StartLoading``, which the client sends when it takes the process over, so those imports overlap the API process's
+own start; the engine reports ``EngineReady`` only after load -> profile -> KV pool sizing -> warm-up. A reader
+thread per engine process waits on the pipe *and* the process sentinel together, so the death of the engine (crash,
+OOM-kill, SIGKILL) is seen within milliseconds. The engine also sends a ``Heartbeat`` every
+``HEARTBEAT_INTERVAL_S``; an engine that is alive but silent for ``engine_heartbeat_timeout_s`` (frozen, SIGSTOPped,
+swapped out) is *stalled*.
 
 States (``state``): ``starting`` -> ``ready`` <-> ``stalled``; a ready engine that dies goes to
 ``restarting`` (a new engine process is spawned after an exponential backoff, at most ``engine_restarts``
@@ -51,6 +54,7 @@ from omni_server.protocol import (
     RequestError,
     RequestFinished,
     Shutdown,
+    StartLoading,
     UnloadLoRAAdapter,
     decode_output,
     encode,
@@ -68,7 +72,7 @@ class EngineStartError(RuntimeError):
     """The engine failed its first start (or did not become ready in time); the message says why."""
 
 
-class _EngineProcess:
+class EngineProcess:
     """One spawned engine process: its pipe, a writer thread, a reader thread."""
 
     def __init__(self, config: ServerConfig, generation: int) -> None:
@@ -97,6 +101,10 @@ class _EngineProcess:
         self.ready_at: float | None = None
         self.last_heard = time.monotonic()
 
+    def start_loading(self) -> None:
+        """Let the engine load the model (until then it only imports; ``run_engine_process``)."""
+        self.outbox.put(encode(StartLoading()))
+
     def write_loop(self) -> None:
         # A dedicated writer keeps the event loop from blocking when the pipe's buffer is full.
         while (data := self.outbox.get()) is not None:
@@ -116,6 +124,13 @@ class _EngineProcess:
         self.outbox.put(None)
 
 
+def prestart_engine(config: ServerConfig) -> EngineProcess:
+    """Spawn the first engine process before the server's checks run: it imports what loading needs meanwhile and
+    loads nothing until an ``EngineClient`` given it as ``prestarted`` starts. ``stop(0)`` discards it (the checks
+    failed)."""
+    return EngineProcess(config, 0)
+
+
 class EngineClient:
     """Spawns, talks to, watches, restarts and stops the engine process."""
 
@@ -126,18 +141,20 @@ class EngineClient:
         on_stats: Callable[[EngineStats], None] | None = None,
         on_restart: Callable[[], None] | None = None,
         on_dead: Callable[[str], None] | None = None,
+        prestarted: EngineProcess | None = None,
     ) -> None:
         self._config = config
+        self._prestarted = prestarted
         self._on_stats = on_stats
         self._on_restart = on_restart
         self._on_dead = on_dead
         self._ids = itertools.count()
-        self._generations = itertools.count()
+        self._generations = itertools.count(0 if prestarted is None else prestarted.generation + 1)
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestFinished]]] = {}
         self._lora_calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, LoRAModule | str]] = {}
         self._lock = threading.Lock()
         self._first_start = threading.Event()  # set once the first engine is ready or failed
-        self._engine: _EngineProcess | None = None
+        self._engine: EngineProcess | None = None
         self._state: EngineState = "starting"
         self._consecutive_restarts = 0
         self.restarts = 0
@@ -324,7 +341,10 @@ class EngineClient:
     # -- engine processes --------------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        engine = _EngineProcess(self._config, next(self._generations))
+        engine, self._prestarted = self._prestarted, None
+        if engine is None:
+            engine = EngineProcess(self._config, next(self._generations))
+        engine.start_loading()
         with self._lock:
             if self._state == "stopped":
                 engine.stop(0.0)
@@ -333,7 +353,7 @@ class EngineClient:
         threading.Thread(target=self._read_loop, args=(engine,), name="engine-reader", daemon=True).start()
         threading.Thread(target=engine.write_loop, name="engine-writer", daemon=True).start()
 
-    def _read_loop(self, engine: _EngineProcess) -> None:
+    def _read_loop(self, engine: EngineProcess) -> None:
         conn, sentinel = engine.conn, engine.process.sentinel
         reason = "engine process exited"
         while True:
@@ -361,7 +381,7 @@ class EngineClient:
         engine.outbox.put(None)
         self._on_engine_exit(engine, reason)
 
-    def _dispatch(self, engine: _EngineProcess, message: object) -> None:
+    def _dispatch(self, engine: EngineProcess, message: object) -> None:
         if isinstance(message, RequestFinished):
             with self._lock:
                 entry = self._pending.pop(message.request_id, None)
@@ -395,7 +415,7 @@ class EngineClient:
         if self._on_stats is not None:
             self._on_stats(stats)
 
-    def _on_engine_exit(self, engine: _EngineProcess, reason: str) -> None:
+    def _on_engine_exit(self, engine: EngineProcess, reason: str) -> None:
         with self._lock:
             if self._engine is not engine or self._state in ("stopped", "dead"):
                 return

@@ -1,5 +1,9 @@
 """Entry point and main loop of the engine process (the process that owns the accelerator).
 
+Start: it imports what loading the model needs (``omni_models.registry.import_for_load``), then waits for the
+API process's ``StartLoading`` (its checks passed) before it reads any weights, so the imports overlap the API
+process's start (``omni_server.client.prestart_engine``); a ``Shutdown`` or a closed pipe instead ends it.
+
 The loop alternates between draining messages from the API process and running
 one engine iteration; it blocks on the pipe only when there is no work. It exits
 when the API process asks it to, when the pipe closes (the API process is gone),
@@ -21,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -35,6 +40,7 @@ from omni_server.protocol import (
     Heartbeat,
     LoadLoRAAdapter,
     Shutdown,
+    StartLoading,
     UnloadLoRAAdapter,
     decode_input,
     encode,
@@ -93,6 +99,35 @@ def _heartbeat(sender: _Sender, stop: threading.Event) -> None:
             return
 
 
+def _import_for_load(config: ServerConfig) -> None:
+    """Import what loading the model needs (torch, the engine, the model kind's modules) while the API process still
+    checks it; a problem is left to those checks, which name it, and to the load."""
+    try:
+        import omni_models.registry
+        import omni_server.engine  # noqa: F401
+
+        omni_models.registry.import_for_load(config.model)
+    except Exception:
+        logger.debug("importing for %s failed; the load will say why", config.model, exc_info=True)
+
+
+def _wait_for_start(conn: Connection, parent_pid: int) -> bool:
+    """Block until the API process says ``StartLoading`` (True) or ``Shutdown``, or is gone (False)."""
+    while True:
+        try:
+            if not conn.poll(_IDLE_POLL_S):
+                if os.getppid() != parent_pid:
+                    return False
+                continue
+            message = decode_input(conn.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        if isinstance(message, StartLoading):
+            return True
+        if isinstance(message, Shutdown):
+            return False
+
+
 def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
     """Start the engine, report readiness, then serve requests until told to stop."""
     _ignore_terminal_signals()
@@ -109,6 +144,18 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
     sender = _Sender(conn)
     stop_heartbeat = threading.Event()
     threading.Thread(target=_heartbeat, args=(sender, stop_heartbeat), name="engine-heartbeat", daemon=True).start()
+    started = time.monotonic()
+    _import_for_load(config)
+    imported = time.monotonic()
+    if not _wait_for_start(conn, parent_pid):
+        stop_heartbeat.set()
+        sender.close()
+        return
+    logger.info(
+        "imported for loading in %.1f s, then waited %.1f s for the API process's checks",
+        imported - started,
+        time.monotonic() - imported,
+    )
     try:
         engine = build_engine(config)
     except Exception as exc:  # report any start-up failure to the API process, then exit

@@ -30,6 +30,11 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     request: ResolvedRequest
 
 
+class StartLoading(msgspec.Struct, frozen=True, tag=True):
+    """The API process's checks of the flags and the model passed: load it. An engine process imports what loading
+    needs, then waits for this (or ``Shutdown``) before it reads any weights."""
+
+
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
     request_id: str
 
@@ -54,7 +59,7 @@ class UnloadLoRAAdapter(msgspec.Struct, frozen=True, tag=True):
     name: str
 
 
-EngineInput = AddRequest | AbortRequest | Shutdown | LoadLoRAAdapter | UnloadLoRAAdapter
+EngineInput = StartLoading | AddRequest | AbortRequest | Shutdown | LoadLoRAAdapter | UnloadLoRAAdapter
 
 
 # engine process -> API process

@@ -21,17 +21,21 @@ import threading
 import time
 from collections.abc import Generator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_server.config import ServerConfig
 from omni_server.protocol import RequestError
+
+if TYPE_CHECKING:
+    from omni_server.client import EngineProcess
 
 logger = logging.getLogger("omni_server.serve")
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def serve(config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM (returns 0), or until the engine is dead (returns 1)."""
+def serve(config: ServerConfig, *, engine: EngineProcess | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0), or until the engine is dead (returns 1). ``engine``: the engine
+    process ``prestart_engine`` spawned for this config (else the app spawns one)."""
     import uvicorn
 
     from omni_server.api import DrainState, create_app
@@ -46,7 +50,7 @@ def serve(config: ServerConfig) -> int:
         engine_failures.append(reason)
         server.should_exit = True
 
-    app = create_app(config, on_engine_failure=on_engine_failure, drain=drain)
+    app = create_app(config, on_engine_failure=on_engine_failure, drain=drain, engine=engine)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server with a drain before its own shutdown, and no re-raised signal at exit."""
