@@ -42,12 +42,15 @@ install_carried_wheels() {  # every call: a warm machine keeps /tmp/site from th
   rm -rf /tmp/site
   step server_install 60 python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # Every zip there (a stripped diffusers: benchmarks/README.md, "Compiled serving") is unpacked beside them, and
+  # all of it byte-compiled, as pip's own install does: imported from a zip, diffusers' modules were compiled from
+  # source in every process of every start (the server's API and engine processes both import it).
+  for z in .whl/*.zip; do [ -e "$z" ] && python3 -m zipfile -e "$z" /tmp/site; done
+  python3 -m compileall -q -j 0 /tmp/site >/dev/null
 }
 
-# Carried wheels (.whl/: msgspec for fp8_cache's manifest, the web stack, diffusers) go on the path of every step,
-# and so does every zip there (a stripped diffusers: benchmarks/README.md, "Compiled serving").
+# Carried wheels (.whl/: msgspec for fp8_cache's manifest, the web stack, diffusers) go on the path of every step.
 if [ -d .whl ]; then install_carried_wheels; export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
-for z in .whl/*.zip; do [ -e "$z" ] && export PYTHONPATH=$PWD/$z:$PYTHONPATH; done
 # The step cache's static mask at the 9 of 28 steps its `fast` preset computes on the trained FLUX-architecture
 # model (benchmarks/real_models.py FAST_ON_TRAINED): random weights never trip the residual test.
 FAST_MASK='{"method": "mask", "mask": [0, 1, 5, 8, 12, 16, 20, 24, 27], "first_blocks": 1, "max_consecutive_cached": null}'
