@@ -367,3 +367,33 @@ def test_the_video_benchmark_runs_every_phase_on_the_cpu(tmp_path) -> None:
     assert report["compiled_cache"]["graphs_compiled"] == 0  # the cache's decisions compile nothing more
     assert report["fp8_compiled"]["graphs_compiled"] >= 1 and report["fp8_compiled"]["fp8_linears"] > 0
     assert report["offload"]["device_weight_bytes"] > 0
+
+
+def test_a_video_forward_batches_at_most_max_batched_image_tokens(wan21_dir, monkeypatch):
+    """``load(max_batched_image_tokens=N)`` on Wan: a row's tokens are its latent frames times the patched grid; two
+    guided videos over the budget take one forward each (a video's cond and uncond rows together), and the frames
+    equal the same videos in one forward."""
+    pipe = omni_models.load(str(wan21_dir), max_batched_image_tokens=1)
+    request = resolve_request(
+        pipe.info, GenerationRequest(prompt="a red fox", seed=5, n=2, guidance_scale=5.0, **SHAPE)
+    )
+    jobs = pipe.prepare(request)
+    _, frames, height, width = jobs[0].latents.shape
+    _, p_h, p_w = pipe.transformer.config.patch_size
+    assert pipe.row_tokens(jobs[0]) == frames * (height // p_h) * (width // p_w) > 1
+    assert pipe.forward_parts(jobs) == [[jobs[0]], [jobs[1]]]
+    pipe.max_batched_image_tokens = 4 * pipe.row_tokens(jobs[0])
+    assert pipe.forward_parts(jobs) == [jobs]  # 2 videos x 2 rows fit
+    rows = []
+    forward = pipe.backend.forward
+    monkeypatch.setattr(pipe.backend, "forward", lambda r, *shape: rows.append(len(r)) or forward(r, *shape))
+    together = pipe(prompt="a red fox", seed=5, num_videos_per_prompt=2, guidance_scale=5.0, **SHAPE)
+    assert rows == [4] * SHAPE["num_inference_steps"]
+    rows.clear()
+    pipe.max_batched_image_tokens = 3 * pipe.row_tokens(jobs[0])
+    apart = pipe(prompt="a red fox", seed=5, num_videos_per_prompt=2, guidance_scale=5.0, **SHAPE)
+    assert rows == [2, 2] * SHAPE["num_inference_steps"]
+    for a, b in zip(apart, together, strict=True):
+        assert video_psnr(a.frames, b.frames) >= TARGET_DB
+    with pytest.raises(ValueError, match="max_batched_image_tokens must be >= 0"):
+        omni_models.load(str(wan21_dir), max_batched_image_tokens=-1)
