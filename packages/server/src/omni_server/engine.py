@@ -16,7 +16,8 @@ iteration (``step``):
 
 Start-up runs a warm-up request through every path; when that compiled graphs (a pipeline loaded with
 ``compile=True``), every size the model lists is warmed up too, with one row and with two (``omni_models.
-compilation.warmup_shapes``), so that serving compiles nothing more. ``EngineStats`` reports the graphs compiled
+compilation.warmup_shapes``; two only where two images share a forward under ``--max-batched-image-tokens``), so
+that serving compiles nothing more. ``EngineStats`` reports the graphs compiled
 so far and those compiled since ready (``/metrics``).
 
 LoRA adapters are registered with the pipeline (``pipeline.lora``, ``omni_models.lora``) at load and by
@@ -275,7 +276,7 @@ class EngineCore:
         self._run_warmup([first])
         if compiled_graphs() > before:
             started = time.monotonic()
-            requests = compiled_warmup_requests(self.info, self._config)
+            requests = [r for r in compiled_warmup_requests(self.info, self._config) if self._shares_forwards(r)]
             self._run_warmup(requests)
             count = len(requests)
             lora = getattr(self.pipeline, "lora", None)
@@ -290,6 +291,21 @@ class EngineCore:
                 compiled_graphs(),
             )
         self._step_latencies.clear()
+
+    def _shares_forwards(self, request: GenerationRequest) -> bool:
+        """Whether a warm-up request's images would share a forward: under the family's image-token budget
+        (``FamilyPipeline.forward_parts``) several images at a large size run one per forward, compiling nothing the
+        one-image request did not."""
+        from omni_models import resolve_request
+
+        forward_parts = getattr(self.pipeline, "forward_parts", None)
+        if request.n == 1 or forward_parts is None:
+            return True
+        jobs = self.pipeline.prepare(resolve_request(self.info, request))
+        try:
+            return any(len(part) > 1 for part in forward_parts(jobs))
+        finally:
+            self.pipeline.release(jobs)
 
     def _run_warmup(self, requests: Sequence[GenerationRequest]) -> None:
         from omni_models import resolve_request
