@@ -103,10 +103,17 @@ class ServerHandle:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_for_running(self, count: int, timeout_s: float = 30.0) -> None:
-        """Block until /metrics shows at least ``count`` running requests; fail the test after ``timeout_s``."""
+    def wait_for_running(self, count: int, timeout_s: float = 30.0, *, waiting: int = 0) -> None:
+        """Block until /metrics shows at least ``count`` running requests (and ``waiting`` queued in the engine);
+        fail the test after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while metric(self.metrics(), "omni:num_requests_running") < count:
+        while True:
+            text = self.metrics()
+            if (
+                metric(text, "omni:num_requests_running") >= count
+                and metric(text, "omni:num_requests_waiting") >= waiting
+            ):
+                return
             assert time.monotonic() < deadline, "requests never started running"
             time.sleep(0.05)
 

@@ -40,7 +40,7 @@ def test_sigkill_of_the_engine_fails_fast_and_leaves_no_orphans(server_factory, 
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         in_flight = [pool.submit(long_request, i) for i in range(3)]  # 2 running + 1 waiting
-        server.wait_for_running(2)
+        server.wait_for_running(2, waiting=1)  # all three in the engine before it dies
         health_status, killed, health_latency = server.kill_and_watch_health(engine)
         assert health_status == 503, "/health still 200 one second after the engine was killed"
         assert health_latency < 1.0

@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -99,16 +100,19 @@ def _heartbeat(sender: _Sender, stop: threading.Event) -> None:
             return
 
 
-def _import_for_load(config: ServerConfig) -> None:
+def _import_for_load(config: ServerConfig) -> list[warnings.WarningMessage]:
     """Import what loading the model needs (torch, the engine, the model kind's modules) while the API process still
-    checks it; a problem is left to those checks, which name it, and to the load."""
-    try:
-        import omni_models.registry
-        import omni_server.engine  # noqa: F401
+    checks it; a problem is left to those checks, which name it, and to the load. Silent: the warnings the imports
+    raise are returned, to be shown once loading starts (an engine whose checks fail prints nothing)."""
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            import omni_models.registry
+            import omni_server.engine  # noqa: F401
 
-        omni_models.registry.import_for_load(config.model)
-    except Exception:
-        logger.debug("importing for %s failed; the load will say why", config.model, exc_info=True)
+            omni_models.registry.import_for_load(config.model)
+        except Exception:
+            logger.debug("importing for %s failed; the load will say why", config.model, exc_info=True)
+    return caught
 
 
 def _wait_for_start(conn: Connection, parent_pid: int) -> bool:
@@ -138,24 +142,26 @@ def run_engine_process(conn: Connection, config_bytes: bytes) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=ServerConfig)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
     threads = configure_intra_op_threads(os.environ)
-    logger.info("torch intra-op threads: %d (%s)", threads.count, threads.source)
-    from omni_server.engine import build_engine
-
     sender = _Sender(conn)
     stop_heartbeat = threading.Event()
     threading.Thread(target=_heartbeat, args=(sender, stop_heartbeat), name="engine-heartbeat", daemon=True).start()
     started = time.monotonic()
-    _import_for_load(config)
+    import_warnings = _import_for_load(config)
     imported = time.monotonic()
     if not _wait_for_start(conn, parent_pid):
         stop_heartbeat.set()
         sender.close()
         return
+    logger.info("torch intra-op threads: %d (%s)", threads.count, threads.source)
     logger.info(
         "imported for loading in %.1f s, then waited %.1f s for the API process's checks",
         imported - started,
         time.monotonic() - imported,
     )
+    for caught in import_warnings:
+        warnings.showwarning(caught.message, caught.category, caught.filename, caught.lineno)
+    from omni_server.engine import build_engine
+
     try:
         engine = build_engine(config)
     except Exception as exc:  # report any start-up failure to the API process, then exit
