@@ -39,7 +39,8 @@ CASES = {
         ),
         dict(prompt="a cat", negative_prompt=None, num_inference_steps=3, seed=3, height=16, width=16),
     ],
-    # Wan2.2 A14B: a CFG job and an unguided one (guidance 1: one row), across both experts
+    # Wan2.2 A14B: a CFG job and an unguided one (guidance 1: one row), across both experts; 32 pixels high: 2 patch
+    # rows, one per SP rank
     "wan": [
         dict(
             prompt="a red fox",
@@ -47,12 +48,12 @@ CASES = {
             guidance_scale=5.0,
             num_inference_steps=4,
             seed=1,
-            height=16,
+            height=32,
             width=32,
             num_frames=5,
         ),
         dict(
-            prompt="a blue square", guidance_scale=1.0, num_inference_steps=4, seed=2, height=16, width=32, num_frames=5
+            prompt="a blue square", guidance_scale=1.0, num_inference_steps=4, seed=2, height=32, width=32, num_frames=5
         ),
     ],
 }

@@ -1,6 +1,6 @@
-"""CFG-parallel (FLUX.1, Qwen-Image, Wan2.2 A14B across its two experts) and Ulysses SP (FLUX.1, with a step cache)
-for the diffusers families: two real processes over gloo reproduce the one-process latents of a batch holding a
-true-CFG job and a single-row job."""
+"""CFG-parallel (FLUX.1, Qwen-Image, Wan2.2 A14B across its two experts) and Ulysses SP (FLUX.1 with a step cache;
+Wan2.2 A14B, a band of patch rows per rank) for the diffusers families: two real processes over gloo reproduce the
+one-process latents of a batch holding a true-CFG job and a single-row job."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ FIXTURES = {"flux": "flux_dev_dir", "qwen": "qwen_image_dir", "wan": "wan22_a14b
 
 
 # Families joined by "+" run one after the other in the same two processes (started once: most of the time).
-@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2-cache", "qwen+wan-cfg2"])
+@pytest.mark.parametrize("mode", ["flux-cfg2", "flux-sp2-cache", "qwen+wan-cfg2", "wan-sp2"])
 def test_two_ranks_reproduce_the_family_latents(mode, request, tmp_path) -> None:
     """``-cache``: every job with a step cache (its computed steps run the whole forward, its cached step the first
     block on every rank); the SP ranks sum their token slices' changes and take the same decisions as one process.
@@ -89,7 +89,9 @@ def test_two_ranks_reproduce_the_family_latents(mode, request, tmp_path) -> None
                     f"{family} {mode} rank {rank} job {job}: PSNR {value:.1f} dB, max abs diff "
                     f"{(want - got).abs().max():.2e}"
                 )
-                assert value >= 40.0
+                # Wan's band split changes no arithmetic but the order of the all-to-all's sums (141 dB); a wrong
+                # band of the rotary tables on one rank still gives 55 dB on these random weights, so 40 would pass it.
+                assert value >= (100.0 if mode == "wan-sp2" else 40.0)
         for job in range(len(expected)):
             assert torch.equal(ranks[0]["latents"][job], ranks[1]["latents"][job])
 

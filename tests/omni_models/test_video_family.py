@@ -336,13 +336,20 @@ def test_bf16_keeps_diffusers_float32_modules_and_a_float32_vae(wan21_dir):
     assert pipe.decode(jobs)[0].frames.shape == (5, 32, 48, 3)
 
 
-def test_sequence_parallelism_is_refused_for_wan_by_name(wan21):
-    from omni_models.family_parallel import enable_family_parallel
+def test_wan_takes_sequence_parallelism_and_refuses_a_height_its_ranks_cannot_share(wan21_dir):
+    """Ulysses SP on Wan gives each rank a band of patch rows (``omni_models.family_parallel``; two gloo ranks
+    against one process in test_family_parallel.py); a video whose patch rows the ranks cannot share is refused by
+    name before any exchange."""
+    from omni_models.family_parallel import UlyssesWanAttnProcessor, enable_family_parallel
     from omni_models.parallel import ParallelState
 
-    with pytest.raises(ValueError, match="sequence parallelism applies to FLUX.1 among the families.*wan rows"):
-        enable_family_parallel(wan21, ParallelState(sp_size=2))
-    assert not omni_models.inspect(wan21.info.name).capabilities.sequence_parallel
+    pipe = omni_models.load(str(wan21_dir))
+    assert omni_models.inspect(str(wan21_dir)).capabilities.sequence_parallel
+    enable_family_parallel(pipe, ParallelState(sp_size=2))
+    assert all(isinstance(block.attn1.processor, UlyssesWanAttnProcessor) for block in pipe.transformer.blocks)
+    assert not any(isinstance(block.attn2.processor, UlyssesWanAttnProcessor) for block in pipe.transformer.blocks)
+    with pytest.raises(ValueError, match="sequence-parallel size of 2 does not divide the 1 patch rows of this video"):
+        pipe(prompt="a red fox", seed=1, height=16, width=32, num_frames=5, num_inference_steps=1)
 
 
 def test_the_video_benchmark_runs_every_phase_on_the_cpu(tmp_path) -> None:

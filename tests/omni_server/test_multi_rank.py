@@ -276,3 +276,31 @@ def test_a_diffusers_family_on_two_ranks_draws_the_one_process_image(
         server.stop()
     print(f"{family} {flags} via {front}: PSNR {_psnr(expected, drawn):.1f} dB")
     assert _psnr(expected, drawn) >= 40.0
+
+
+def test_wan_on_two_sequence_parallel_ranks_writes_the_one_process_video(tmp_path) -> None:
+    """`omni-server generate` of a tiny random Wan2.1 on two Ulysses ranks (a band of patch rows each) writes the
+    frames the one-process pipeline draws (compared in yuv420p, what the MP4 holds)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("av")
+    import torch
+
+    from omni_models import load, synthetic
+    from omni_server import video_io
+
+    checkpoint = synthetic.save_checkpoint("wan", synthetic.wan_components("wan2.1"), tmp_path / "wan")
+    shape = dict(height=32, width=48, num_frames=5, num_inference_steps=2, seed=4)
+    one = load(str(checkpoint), device="cpu", dtype=torch.float32)("a red fox", **shape)[0]
+    out = tmp_path / "two.mp4"
+    ranks = _generate(
+        ["a red fox", "--model", str(checkpoint), "--device", "cpu", "--size", "48x32", "--num-frames", "5"]
+        + ["--steps", "2", "--image-seed", "4", "--video-crf", "10", "--sequence-parallel-size", "2", "-o", str(out)],
+        tmp_path,
+    )
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert "worker group ready: 2 ranks (cfg 1 x sp 2" in ranks.stderr
+    drawn = video_io.decode_mp4(out.read_bytes(), pixel_format="yuv420p").frames.astype(np.float64)
+    expected = video_io.yuv420p(one.frames).astype(np.float64)
+    assert drawn.shape == expected.shape
+    mse = float(((drawn - expected) ** 2).mean())
+    assert mse == 0 or 10 * np.log10(255.0**2 / mse) >= 40.0

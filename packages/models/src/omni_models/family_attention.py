@@ -221,8 +221,13 @@ def _rotate_wan(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class OmniWanAttnProcessor(_OmniAttnProcessor):
     """For ``WanAttention`` layers: what diffusers' ``WanAttnProcessor`` computes, in its order. The self-attention
-    over the video tokens (``attn1``, where the time goes) attends in ``attention_dtype``; the cross-attention over
-    the text (and an I2V model's image context) stays on the default path: its keys are a few hundred tokens."""
+    over the video tokens (``attn1``, where the time goes) attends in ``attention_dtype`` (``attend``: Ulysses SP
+    overrides it); the cross-attention over the text (and an I2V model's image context) stays on the default path:
+    its keys are a few hundred tokens."""
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """The self-attention of ``[B, S, H, D]`` queries, keys and values."""
+        return attention(query, key, value, dtype=self.attention_dtype)
 
     def __call__(
         self,
@@ -253,10 +258,7 @@ class OmniWanAttnProcessor(_OmniAttnProcessor):
             image_key = attn.norm_added_k(attn.add_k_proj(image_context)).unflatten(2, (attn.heads, -1))
             image_value = attn.add_v_proj(image_context).unflatten(2, (attn.heads, -1))
             image_out = _cross_attention(query, image_key, image_value).flatten(2, 3).type_as(query)
-        if encoder_hidden_states is None:
-            out = attention(query, key, value, dtype=self.attention_dtype)
-        else:
-            out = _cross_attention(query, key, value)
+        out = self.attend(query, key, value) if encoder_hidden_states is None else _cross_attention(query, key, value)
         out = out.flatten(2, 3).type_as(query)
         if image_out is not None:
             out = out + image_out

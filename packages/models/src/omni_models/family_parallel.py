@@ -9,12 +9,17 @@ velocity, so every rank advances every job alike and any rank decodes):
   others) are cut into ``cfg`` contiguous shares of near-equal count (rows of one forward have the same size, so
   equal counts are equal work); a true-CFG job's cond and uncond rows are adjacent, so with one such job they
   land on different ranks. A lone unguided row runs on CFG rank 0 while rank 1 waits at the all-gather.
-- Ulysses SP (FLUX.1 only): each rank feeds the transformer its slice of the text tokens and of the image tokens
-  (and of their position ids, so FLUX's rotary embedding is computed per local token); the attention processor
-  all-to-alls ``[B, S / sp, H, D]`` into ``[B, S, H / sp, D]`` around the attention and back. FLUX attends over
-  every token without a mask, so the gathered order of the tokens does not matter. Text and image lengths must
-  divide by ``sp`` (a padded token would be attended to). Qwen-Image rows carry ragged text, which this split does
-  not handle yet: SP is refused for it.
+- Ulysses SP (FLUX.1 and Wan): each rank runs the transformer on its share of the tokens; the attention processor
+  all-to-alls ``[B, S / sp, H, D]`` into ``[B, S, H / sp, D]`` around the (self-)attention and back. Both attend
+  over every token without a mask, so the gathered order of the tokens does not matter.
+  - FLUX.1: each rank feeds the transformer its slice of the text tokens and of the image tokens (and of their
+    position ids, so FLUX's rotary embedding is computed per local token). Text and image lengths must divide by
+    ``sp`` (a padded token would be attended to).
+  - Wan: each rank feeds it a band of the latent's rows (``H / sp`` latent rows, whole patches: the patch rows
+    must divide by ``sp``); the rotary tables are the whole video's, cut to the band's tokens (a hook on the
+    denoiser's ``rope``), TI2V's per-token timesteps likewise; the cross-attention reads the whole text locally;
+    the bands are gathered back along the height.
+  - Qwen-Image rows carry ragged text, which this split does not handle yet: SP is refused for it.
 - Step caches (``forward_with_cache``): each rank runs its rows' caches; every rank takes every job's decision from
   the change summed over all ranks (one all-reduce per decision boundary), so the ranks agree on each decision.
 """
@@ -27,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from diffusion_kv import cdiv
-from omni_models.family_attention import OmniFluxAttnProcessor
+from omni_models.family_attention import OmniFluxAttnProcessor, OmniWanAttnProcessor
 from omni_models.parallel import ParallelState, check_sequence_parallel
 from omni_models.registry import AttentionDtype
 
@@ -60,6 +65,18 @@ def _heads_to_tokens(x: Tensor, state: ParallelState) -> Tensor:
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=state.sp_group)  # received[j]: my tokens, head group j
     return received.permute(1, 2, 0, 3, 4).reshape(batch, total // sp, sp * heads, size)
+
+
+class UlyssesWanAttnProcessor(OmniWanAttnProcessor):
+    """``OmniWanAttnProcessor`` whose self-attention runs over every rank's tokens for this rank's head group (its
+    cross-attention reads the whole text on every rank, so it needs no exchange)."""
+
+    def __init__(self, state: ParallelState, attention_dtype: AttentionDtype = "auto") -> None:
+        super().__init__(attention_dtype)
+        self.state = state
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        return _heads_to_tokens(super().attend(*_tokens_to_heads(query, key, value, self.state)), self.state)
 
 
 class UlyssesFluxAttnProcessor(OmniFluxAttnProcessor):
@@ -122,7 +139,57 @@ class ParallelFamilyBackend:
         _all_gather(out, padded, group=state.cfg_group)
         return out[: len(rows)]
 
-    def _forward_sp(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
+    def _forward_sp(self, rows: Sequence[DenoiseRow], *shape: Any) -> Tensor:
+        if self.inner.family.name == "wan":
+            return self._forward_wan_sp(rows, *shape)
+        return self._forward_flux_sp(rows, *shape)
+
+    def _forward_wan_sp(self, rows: Sequence[DenoiseRow], expert: int) -> Tensor:
+        """Wan under Ulysses SP: this rank's band of latent rows through the denoiser, the bands gathered."""
+        inner, state = self.inner, self.state
+        sp, rank = state.sp_size, state.sp_rank
+        denoiser = inner.denoisers[expert]
+        latents = torch.stack([row.latents for row in rows]).to(inner.dtype)  # [B, C, T, H, W]
+        p_t, p_h, p_w = denoiser.config.patch_size
+        frames, rows_h, cols = latents.shape[2] // p_t, latents.shape[3] // p_h, latents.shape[4] // p_w
+        if rows_h % sp:
+            raise ValueError(
+                f"a sequence-parallel size of {sp} does not divide the {rows_h} patch rows of this video "
+                f"({rows_h * p_h * inner.vae_scale_factor} pixels high); choose a height (or size) they divide into"
+            )
+        band = rows_h // sp
+        timestep = torch.stack([row.timestep for row in rows])
+        if inner.expand_timesteps:  # one timestep per latent token: this band's
+            timestep = timestep.to(torch.float32)[:, None].expand(-1, frames * band * cols)
+
+        def whole_video(_module: nn.Module, _args: tuple) -> tuple:
+            return (latents,)
+
+        def band_of(_module: nn.Module, _args: tuple, tables: tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
+            return tuple(
+                t.unflatten(1, (frames, rows_h, cols))[:, :, rank * band : (rank + 1) * band].flatten(1, 3)
+                for t in tables
+            )
+
+        hooks = [
+            denoiser.rope.register_forward_pre_hook(whole_video),
+            denoiser.rope.register_forward_hook(band_of),
+        ]
+        try:
+            local = denoiser(
+                hidden_states=latents.chunk(sp, dim=3)[rank].contiguous(),
+                timestep=timestep,
+                encoder_hidden_states=torch.stack([row.text.tokens for row in rows]),
+                return_dict=False,
+            )[0]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        gathered = local.new_empty((sp * local.shape[0], *local.shape[1:]))
+        _all_gather(gathered, local.contiguous(), group=state.sp_group)  # rank-major: [sp * B, C, T, H / sp, W]
+        return gathered.unflatten(0, (sp, -1)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+
+    def _forward_flux_sp(self, rows: Sequence[DenoiseRow], height: int, width: int) -> Tensor:
         inner, state = self.inner, self.state
         text = torch.stack([row.text.tokens for row in rows])
         latents = torch.stack([row.latents for row in rows])
@@ -152,18 +219,23 @@ class ParallelFamilyBackend:
 
 
 def enable_family_parallel(pipe: FamilyPipeline, state: ParallelState) -> None:
-    """Run ``pipe``'s transformer forwards as this rank's share (CFG rows; Ulysses SP for FLUX.1)."""
+    """Run ``pipe``'s transformer forwards as this rank's share (CFG rows; Ulysses SP for FLUX.1 and Wan)."""
     if isinstance(pipe.backend, ParallelFamilyBackend):
         raise RuntimeError("this pipeline already runs in parallel")
     if state.sp_size > 1:
         if not pipe.backend.family.sequence_parallel:
             raise ValueError(
-                f"sequence parallelism applies to FLUX.1 among the families; the Ulysses split does not handle "
-                f"{pipe.info.family} rows yet (use CFG-parallelism)"
+                f"sequence parallelism applies to FLUX.1 and Wan among the families; the Ulysses split does not "
+                f"handle {pipe.info.family} rows yet (use CFG-parallelism)"
             )
         check_sequence_parallel(pipe.transformer.config.num_attention_heads, state.sp_size)
         attention_dtype = next(iter(pipe.transformer.attn_processors.values())).attention_dtype
-        pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state, attention_dtype))
+        if pipe.info.family == "wan":
+            for denoiser in pipe.backend.denoisers:  # both experts of Wan2.2 A14B
+                for block in denoiser.blocks:
+                    block.attn1.set_processor(UlyssesWanAttnProcessor(state, attention_dtype))
+        else:
+            pipe.transformer.set_attn_processor(UlyssesFluxAttnProcessor(state, attention_dtype))
     pipe.backend = ParallelFamilyBackend(pipe.backend, state)
     # The budget is one rank's: a forward's rows (CFG) and tokens (SP) are shared out over the ranks.
     pipe.max_batched_image_tokens *= state.cfg_size * state.sp_size

@@ -178,6 +178,7 @@ FAMILY = DiffusersFamily(
     # Wan's own code and diffusers' Wan examples decode in float32 (the VAE is small; bf16 decoding shows banding).
     float32_components=("vae",),
     lora=False,
+    sequence_parallel=True,  # each rank a band of patch rows (omni_models.family_parallel)
 )
 
 
