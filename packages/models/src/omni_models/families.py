@@ -624,14 +624,17 @@ class FamilyPipeline:
 
     def forward_parts(self, jobs: Sequence[FamilyJob]) -> list[list[FamilyJob]]:
         """``jobs`` (one forward's worth) cut, in order, into forwards of at most ``max_batched_image_tokens``
-        image tokens (``row_tokens`` times the job's rows), the VAE decode's batches as well.
+        image tokens (``row_tokens`` times the job's rows); the VAE decodes in batches under the same budget
+        (``_decode_parts``).
 
         - A job's rows stay in one forward: its cond and uncond rows are guided, step-cached and adapted together.
         - A job alone over the budget runs alone.
 
         Why: once one row fills the card (from 1024² on, 4096 tokens a row on FLUX.1 and Qwen-Image), a batched
-        forward is no faster than its rows one after another (1.02x for 4 rows on an H200), and under compile it
-        costs a graph of its own (a second compile of every block class during warm-up)."""
+        forward is no faster than its rows one after another (diffusers' eager FLUX.1 transformer on an H200: 1.02x
+        for 4 rows), and under compile it costs a graph of its own (a second compile of every block class during
+        warm-up). Served on the H200, 4 FLUX.1 requests at 1024² one row per forward: 0.994x the serial throughput
+        (RESULTS.md 2026-12-03e)."""
         budget = self.max_batched_image_tokens
         if not budget or len(jobs) < 2:
             return [list(jobs)]
