@@ -165,3 +165,82 @@ def test_restored_modules_run_their_own_forward_again() -> None:
     before = compile_count()
     assert torch.equal(block(x), expected) and compile_count() == before
     assert restore_modules([block]) == 0  # a module not compiled is left as it is
+
+
+_PRECOMPILE_RUN = """
+import json, sys
+import torch
+from omni_models.compilation import (
+    CompileSettings, compile_count, compile_modules, precompiled_count, save_compile_cache, use_compile_cache,
+)
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+
+    def forward(self, x, scale):
+        return self.proj(self.norm(x)) * (1 + scale) + x
+
+use_compile_cache(sys.argv[1])
+torch.manual_seed(0)
+blocks = [Block() for _ in range(3)]
+compile_modules(blocks, CompileSettings())  # inductor, symbolic shapes, as served
+outputs = []
+with torch.no_grad():
+    for rows, tokens in ((1, 16), (3, 24)):  # one row, then several rows of another length
+        x = torch.randn(rows, tokens, 32)
+        for block in blocks:
+            x = block(x, torch.tensor(0.5))
+        outputs.append(x.flatten().tolist())
+compiled = compile_count()
+print(json.dumps({"compiled": compiled, "loaded": precompiled_count(), "saved": save_compile_cache(),
+                  "outputs": outputs}))
+"""
+
+
+def test_a_restart_loads_the_compiled_functions_from_the_compile_cache_and_traces_nothing(tmp_path) -> None:
+    """Issue 24 (warm start): inductor's caches alone left dynamo tracing every graph again at each start (24 s of
+    FLUX.1-dev's warm start on the H200). With ``use_compile_cache`` the first process saves its compiled functions
+    (``save_compile_cache``, the engine's call after warm-up); a second process's ``torch.compile`` of the same
+    blocks loads them and compiles no graph, for every shape the first one ran, with the same numbers. Inductor
+    for real (on this CPU, C++ kernels: most of this test's minute and a half is their first compile)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "compile"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def run() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _PRECOMPILE_RUN, str(cache)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "is dropped with caching_precompile" not in done.stderr  # torch's notes kept out of the log
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["compiled"] == 2 and first["loaded"] == 0 and first["saved"] == 1  # one row, then symbolic rows
+    assert (cache / "dynamo").is_dir()
+    second = run()
+    assert second["compiled"] == 0 and second["loaded"] == 3 and second["saved"] == 0  # the three blocks' forwards
+    assert second["outputs"] == first["outputs"]
+
+
+def test_the_compile_cache_keeps_a_directory_per_model_and_load_options(tmp_path) -> None:
+    """Guards on object identities cannot outlive a process, so a cache directory must only ever serve the model
+    and options it was compiled for: ``load`` keys a subdirectory by the model's path and its load options."""
+    from omni_models.compilation import compile_cache_scope
+
+    model = tmp_path / "flux-dev"
+    model.mkdir()
+    fp8 = [("quantization", "fp8"), ("attention_dtype", "auto")]
+    bf16 = [("quantization", None), ("attention_dtype", "auto")]
+    assert compile_cache_scope(model, bf16) == compile_cache_scope(tmp_path / "." / "flux-dev", bf16)
+    assert compile_cache_scope(model, bf16).startswith("flux-dev-")
+    assert compile_cache_scope(model, fp8) != compile_cache_scope(model, bf16)
+    other = tmp_path / "other" / "flux-dev"
+    other.mkdir(parents=True)
+    assert compile_cache_scope(other, bf16) != compile_cache_scope(model, bf16)

@@ -223,6 +223,45 @@ def test_a_compiled_pipeline_is_warmed_up_at_its_served_shapes_and_serving_then_
     assert engine.stats().recompiles_since_ready == 0
 
 
+def test_a_warm_up_that_compiled_saves_the_compiled_functions_in_the_models_own_cache_directory(
+    family_dirs, tmp_path, monkeypatch, caplog
+):
+    """With a compile cache the engine writes what its warm-up compiled (dynamo's precompiled functions) under a
+    directory keyed by the model and its load options, and says where the compile time went. (Dynamo's ``eager``
+    test backend saves no code, so a restart compiles again: the inductor round trip is
+    ``tests/omni_models/test_compiled_serving.py``.)"""
+    import logging
+
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import omni_models
+    from omni_server.engine import EngineCore
+
+    # use_compile_cache sets process-wide state: put it back for the tests after this one.
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", False)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
+    monkeypatch.setattr(functorch_config, "bundled_autograd_cache", functorch_config.bundled_autograd_cache)
+    torch._dynamo.reset()
+    try:
+        pipeline = omni_models.load(
+            str(family_dirs["flux"]), compile=True, compile_backend="eager", compile_cache_dir=tmp_path
+        )
+        with caplog.at_level(logging.INFO, logger="omni_server.engine"):
+            EngineCore(pipeline, build_config(None, model="unused", device="cpu"))
+    finally:
+        torch._dynamo.reset()
+    (scope,) = tmp_path.iterdir()
+    assert scope.name.startswith(family_dirs["flux"].name + "-") and any((scope / "dynamo").iterdir())
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("compile time by phase (s): _compile.compile_inner") for m in messages)
+    assert any(m.startswith("compile cache: ") and "functions saved precompiled" in m for m in messages)
+
+
 def _row_tokens(pipeline, size: int) -> int:
     """The image tokens of one row at ``size``² (latents of a prepared job)."""
     job = pipeline.prepare(resolve_request(pipeline.info, GenerationRequest(prompt="dog", height=size, width=size)))[0]

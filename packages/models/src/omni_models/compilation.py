@@ -19,12 +19,19 @@ a test can assert that serving after warm-up compiled nothing.
 
 Cache. ``use_compile_cache(directory)`` points inductor's FX graph and AOTAutograd caches (and Triton's kernel
 cache) at ``directory`` before anything compiles, so a restart reuses what the last start compiled instead of
-running inductor again. Dynamo still traces every graph again: FLUX.1-dev's warm start on the H200 still spent 35 s
-warming up (RESULTS.md, 2026-12-02f).
+running inductor again. With those alone dynamo still traced every graph again (FLUX.1-dev's warm start on the
+H200 spent 24 s re-tracing, RESULTS.md 2026-12-03e), so it also turns on dynamo's caching precompile: once the
+warm-up has compiled, ``save_compile_cache()`` writes each compiled function's guards and bytecode beside the
+backend's artifacts, and the next process's ``torch.compile`` of the same function loads them (``precompiled_count``
+counts those loads) and traces nothing while their guards hold. Guards on object identities cannot be kept across
+processes, and torch drops them; ``compile_cache_scope`` therefore keys a directory per model and load options, so
+that what a start loads was compiled for the same model with the same options. ``compile_times`` says where a
+start's compile time went.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -53,11 +60,30 @@ class CompileSettings:
         return {"backend": self.backend, "dynamic": self.dynamic}
 
 
-def use_compile_cache(directory: str | Path) -> Path:
-    """Keep inductor's FX graph cache, AOTAutograd's cache and Triton's kernels under ``directory`` (created).
+def compile_cache_scope(model_dir: str | Path, options: Sequence[tuple[str, Any]]) -> str:
+    """The subdirectory of a compile cache for one model loaded with one set of options: the model directory's
+    name and a digest of its resolved path and of ``options`` (``(name, value)`` pairs whose ``repr`` is stable)."""
+    resolved = Path(model_dir).expanduser().resolve()
+    digest = hashlib.sha256(repr((str(resolved), tuple(options))).encode()).hexdigest()[:16]
+    return f"{resolved.name}-{digest}"
 
-    Call before the first compile of the process: inductor and Triton read these locations when they first write.
+
+class _DroppedGuardNote(logging.Filter):
+    """Torch warns once per guard it drops for caching precompile (an object identity, which no other process
+    shares); the scope of the cache directory stands for those guards, so the notes are kept out of the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is dropped with caching_precompile" not in record.getMessage()
+
+
+def use_compile_cache(directory: str | Path) -> Path:
+    """Keep inductor's FX graph cache, AOTAutograd's cache, Triton's kernels and dynamo's precompiled functions
+    under ``directory`` (created); ``save_compile_cache`` writes the last once the process has compiled.
+
+    Call before the first ``torch.compile`` of the process: inductor and Triton read these locations when they first
+    write, and dynamo looks a function up in its cache when ``torch.compile`` wraps it.
     """
+    import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -67,8 +93,24 @@ def use_compile_cache(directory: str | Path) -> Path:
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
+    functorch_config.bundled_autograd_cache = True  # what precompile saves as the backend (implied from torch 2.13)
+    dynamo_config.caching_precompile = True
+    guards_log = logging.getLogger("torch._dynamo.guards")
+    if not any(isinstance(f, _DroppedGuardNote) for f in guards_log.filters):
+        guards_log.addFilter(_DroppedGuardNote())
     logger.info("compile cache: %s", path)
     return path
+
+
+def save_compile_cache() -> int:
+    """Write what this process compiled to the compile cache (``use_compile_cache``): the backends' artifacts and
+    dynamo's precompiled functions; returns how many functions were written (0 when no cache is in use)."""
+    import torch
+
+    if not torch._dynamo.config.caching_precompile:
+        return 0
+    saved = torch.compiler.save_cache_artifacts()
+    return 0 if saved is None else len(saved[1].artifacts.get("precompile", ()))
 
 
 def compile_count() -> int:
@@ -76,6 +118,23 @@ def compile_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["frames"]["ok"])
+
+
+def precompiled_count() -> int:
+    """Functions this process loaded precompiled from the compile cache (each one's graphs traced by an earlier
+    process; a loaded function whose guards fail still compiles, and ``compile_count`` counts that)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["dynamo_cache"]["dynamo_cache_hit"])
+
+
+def compile_times(top: int = 6) -> list[tuple[str, float]]:
+    """The ``top`` phases of this process's compiles by seconds spent (dynamo's own metrics; phases nest, so the
+    figures overlap: tracing is ``bytecode_tracing``, inductor's code generation ``GraphLowering.codegen``)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: sum(times) for name, times in compilation_time_metrics.items() if times}
+    return sorted(totals.items(), key=lambda item: -item[1])[:top]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -159,9 +218,13 @@ def warmup_shapes(sizes: Sequence[tuple[int, int]], *, max_rows: int) -> list[tu
 __all__ = [
     "COMPILE_BACKENDS",
     "CompileSettings",
+    "compile_cache_scope",
     "compile_count",
     "compile_modules",
+    "compile_times",
+    "precompiled_count",
     "restore_modules",
+    "save_compile_cache",
     "use_compile_cache",
     "warmup_shapes",
 ]

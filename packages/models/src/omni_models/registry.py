@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -270,10 +270,16 @@ def load(
         attention_dtype=attention_dtype,
     )
     if options.compile_cache_dir is not None:
-        from omni_models.compilation import use_compile_cache
+        from omni_models.compilation import compile_cache_scope, use_compile_cache
 
-        use_compile_cache(options.compile_cache_dir)
+        use_compile_cache(options.compile_cache_dir / compile_cache_scope(directory, _cache_key(options)))
     return kind_of(directory).module().load(directory, name_or_path, options)
+
+
+def _cache_key(options: LoadOptions) -> list[tuple[str, Any]]:
+    """The load options that shape what gets compiled (the compile cache keeps a directory per model and these)."""
+    skip = {"compile_cache_dir", "fp8_cache_dir", "offload_group", "prompt_embed_cache_size"}
+    return [(f.name, getattr(options, f.name)) for f in fields(options) if f.name not in skip]
 
 
 def import_for_load(name_or_path: str) -> None:

@@ -237,6 +237,17 @@ def compiled_graphs() -> int:
     return compile_count()
 
 
+def precompiled_functions() -> int:
+    """Functions loaded precompiled from the compile cache in this process (0 when nothing imported dynamo)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from omni_models.compilation import precompiled_count
+
+    return precompiled_count()
+
+
 class EngineCore:
     """Step-level batching of any ``StepwisePipeline`` (see the module docstring). Not thread-safe."""
 
@@ -272,10 +283,13 @@ class EngineCore:
         through the LoRA path (``LoRARuntime.warming``: a forward with an adapter runs other graphs than one
         without)."""
         before = compiled_graphs()
+        started = time.monotonic()
         first = warmup_request(self.info, self._config.sequence_parallel_size)
         self._run_warmup([first])
-        if compiled_graphs() > before:
-            started = time.monotonic()
+        # A compiled family runs its served shapes even when the first request compiled nothing: its graphs came
+        # precompiled from the compile cache, and running them now keeps any that do not fit out of serving.
+        if compiled_graphs() > before or getattr(self.pipeline, "compiled", None) is not None:
+            first_s, started = time.monotonic() - started, time.monotonic()
             requests = [r for r in compiled_warmup_requests(self.info, self._config) if self._shares_forwards(r)]
             self._run_warmup(requests)
             count = len(requests)
@@ -285,12 +299,34 @@ class EngineCore:
                     self._run_warmup([first, *requests])
                 count += 1 + len(requests)
             logger.info(
-                "compiled warm-up: %d requests in %.1f s, %d graphs compiled in all",
+                "compiled warm-up: the first request in %.1f s, %d more in %.1f s; %d graphs compiled in all, "
+                "%d functions loaded precompiled",
+                first_s,
                 count,
                 time.monotonic() - started,
                 compiled_graphs(),
+                precompiled_functions(),
             )
+            self._save_compile_cache()
         self._step_latencies.clear()
+
+    @staticmethod
+    def _save_compile_cache() -> None:
+        """After a warm-up that compiled: where the compile went (dynamo's phases), and what it compiled written to
+        the compile cache (when the server keeps one), so that the next start loads it instead of tracing."""
+        from omni_models.compilation import compile_times, save_compile_cache
+
+        if compiled_graphs() == 0:
+            return
+        logger.info("compile time by phase (s): %s", ", ".join(f"{n} {t:.1f}" for n, t in compile_times()))
+        started = time.monotonic()
+        try:
+            saved = save_compile_cache()
+        except Exception as exc:  # an experimental torch feature: the next start compiles again, nothing worse
+            logger.warning("compile cache: could not save the precompiled functions (%s: %s)", type(exc).__name__, exc)
+            return
+        if saved:
+            logger.info("compile cache: %d functions saved precompiled in %.1f s", saved, time.monotonic() - started)
 
     def _shares_forwards(self, request: GenerationRequest) -> bool:
         """Whether a warm-up request's images would share a forward: under the family's image-token budget
