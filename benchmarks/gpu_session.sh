@@ -116,7 +116,9 @@ for s in "${steps[@]}"; do
     # eager and compiled; cold and warm starts. Issue 28: the same for FLUX.1-Kontext edits (1024^2 in and out).
     # SERVING_CONFIGS (default "default fp8") and SERVING_FLAGS (more serving.py flags, e.g. --no-baseline) split it
     # over two calls: one server's cold start, repeats and warm start take about 300 s at this size.
-    serving_flux) step serving_flux 560 python3 benchmarks/serving.py --out "$R/serving_flux" --work-dir /tmp \
+    # The servers log dynamo's recompiles and graph breaks (TORCH_LOGS), to name the graph a GPU start compiles
+    # beyond the CPU's count (4 at ready on 2026-12-03e, 3 in test_compiled_serving.py at the same shapes).
+    serving_flux) TORCH_LOGS=${TORCH_LOGS:-recompiles,graph_breaks} step serving_flux 560 python3 benchmarks/serving.py --out "$R/serving_flux" --work-dir /tmp \
                     --sizes 1024 --concurrent 0 --configs ${SERVING_CONFIGS:-default fp8} --request-cache "$FAST_MASK" \
                     ${SERVING_FLAGS:-} \
                     --deadline $(( ${CALL_BUDGET:-560} - SECONDS - 30 )) ;;

@@ -239,20 +239,24 @@ def test_a_warm_up_that_compiled_saves_the_compiled_functions_in_the_models_own_
     import omni_models
     from omni_server.engine import EngineCore
 
-    # use_compile_cache sets process-wide state: put it back for the tests after this one.
+    # use_compile_cache sets process-wide state: torch's own patches put it back for the tests after this one.
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", False)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
-    monkeypatch.setattr(functorch_config, "bundled_autograd_cache", functorch_config.bundled_autograd_cache)
     torch._dynamo.reset()
     try:
-        pipeline = omni_models.load(
-            str(family_dirs["flux"]), compile=True, compile_backend="eager", compile_cache_dir=tmp_path
-        )
-        with caplog.at_level(logging.INFO, logger="omni_server.engine"):
-            EngineCore(pipeline, build_config(None, model="unused", device="cpu"))
+        with (
+            torch._dynamo.config.patch(caching_precompile=False),
+            inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache),
+            functorch_config.patch(
+                enable_autograd_cache=functorch_config.enable_autograd_cache,
+                bundled_autograd_cache=functorch_config.bundled_autograd_cache,
+            ),
+        ):
+            pipeline = omni_models.load(
+                str(family_dirs["flux"]), compile=True, compile_backend="eager", compile_cache_dir=tmp_path
+            )
+            with caplog.at_level(logging.INFO, logger="omni_server.engine"):
+                EngineCore(pipeline, build_config(None, model="unused", device="cpu"))
     finally:
         torch._dynamo.reset()
     (scope,) = tmp_path.iterdir()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_models.errors import CheckpointError, InvalidRequestError, MissingDependencyError
 
-__version__ = "0.12.0"
+__version__ = "0.13.0"
 
 if TYPE_CHECKING:
     from omni_models.contract import Job, PagedPipeline, StepwisePipeline

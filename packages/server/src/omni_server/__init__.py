@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_server.config import DEFAULT_MODEL, ConfigError, ServerConfig, build_config, load_config_file
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 if TYPE_CHECKING:
     from omni_server.api import create_app
