@@ -18,9 +18,8 @@
    (process start to ``/health`` 200, with an empty ``--compile-cache-dir`` and FP8 cache), then per size one
    first request, ``--repeats`` requests one at a time (median, spread, p50/p99), and ``--concurrent`` requests
    with 4 in flight (throughput against the one-at-a-time figure, p50/p99); ``/metrics`` (graphs compiled,
-   recompiles since ready); then a restart over the same caches (warm start), and one more without dynamo's
-   precompiled functions in the compile cache (inductor's caches only). Images are compared with diffusers' (PSNR,
-   same seed).
+   recompiles since ready); then a restart over the same caches (warm start). Images are compared with
+   diffusers' (PSNR, same seed).
 
 ``--family flux-kontext`` times image edits instead: the same checkpoint's components under a
 ``FluxKontextPipeline`` index (the FLUX.1-Kontext-dev architecture is FLUX.1-dev's), one deterministic input image
@@ -557,16 +556,6 @@ class Bench:
                     phase["warm_metrics"] = self.metrics(port)
                 finally:
                     self.stop_server(process)
-            # The same restart without dynamo's precompiled functions (inductor's caches only: the warm start before
-            # the compile cache kept them), so that what precompile saves is measured in one run.
-            precompiled = list(caches.glob("compile/*/dynamo"))
-            if self.args.warm_start and precompiled and self.left() > 90:
-                for entries in precompiled:
-                    shutil.rmtree(entries)
-                process, port, warm = self.start_server(directory, name, caches)
-                phase["warm_start_inductor_only_s"] = warm
-                log(f"omni {name}: warm start without the precompiled functions {warm:.1f} s")
-                self.stop_server(process)
         except Exception as exc:
             phase["error"] = f"{type(exc).__name__}: {exc}"
             log(f"omni {name}: FAILED {phase['error']}")
@@ -673,8 +662,6 @@ class Bench:
             for key, target in (("cold_start_s", TARGETS["cold_start_s"]), ("warm_start_s", TARGETS["warm_start_s"])):
                 if key in phase:
                     lines.append((f"{name} {key} (<=)", phase[key], target))
-            if "warm_start_inductor_only_s" in phase:
-                lines.append((f"{name} warm start without precompile (s)", phase["warm_start_inductor_only_s"], None))
             for size, entry in phase.get("sizes", {}).items():
                 if "throughput_ratio" in entry and name == "omni_default":
                     lines.append(

@@ -223,13 +223,13 @@ def test_a_compiled_pipeline_is_warmed_up_at_its_served_shapes_and_serving_then_
     assert engine.stats().recompiles_since_ready == 0
 
 
-def test_a_warm_up_that_compiled_saves_the_compiled_functions_in_the_models_own_cache_directory(
+def test_under_caching_precompile_the_warm_up_saves_the_compiled_functions_in_the_models_cache_directory(
     family_dirs, tmp_path, monkeypatch, caplog
 ):
-    """With a compile cache the engine writes what its warm-up compiled (dynamo's precompiled functions) under a
-    directory keyed by the model and its load options, and says where the compile time went. (Dynamo's ``eager``
-    test backend saves no code, so a restart compiles again: the inductor round trip is
-    ``tests/omni_models/test_compiled_serving.py``.)"""
+    """With a compile cache and torch's caching precompile on (``TORCH_CACHING_PRECOMPILE=1``: opt-in) the engine
+    writes what its warm-up compiled (dynamo's precompiled functions) under a directory keyed by the model and its
+    load options, and says where the compile time went. (Dynamo's ``eager`` test backend saves no code, so a restart
+    compiles again: the inductor round trip is ``tests/omni_models/test_compiled_serving.py``.)"""
     import logging
 
     import torch._dynamo
@@ -245,7 +245,7 @@ def test_a_warm_up_that_compiled_saves_the_compiled_functions_in_the_models_own_
     torch._dynamo.reset()
     try:
         with (
-            torch._dynamo.config.patch(caching_precompile=False),
+            torch._dynamo.config.patch(caching_precompile=True),
             inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache),
             functorch_config.patch(
                 enable_autograd_cache=functorch_config.enable_autograd_cache,

@@ -19,14 +19,14 @@ a test can assert that serving after warm-up compiled nothing.
 
 Cache. ``use_compile_cache(directory)`` points inductor's FX graph and AOTAutograd caches (and Triton's kernel
 cache) at ``directory`` before anything compiles, so a restart reuses what the last start compiled instead of
-running inductor again. With those alone dynamo still traced every graph again (FLUX.1-dev's warm start on the
-H200 spent 24 s re-tracing, RESULTS.md 2026-12-03e), so it also turns on dynamo's caching precompile: once the
-warm-up has compiled, ``save_compile_cache()`` writes each compiled function's guards and bytecode beside the
-backend's artifacts, and the next process's ``torch.compile`` of the same function loads them (``precompiled_count``
-counts those loads) and traces nothing while their guards hold. Guards on object identities cannot be kept across
-processes, and torch drops them; ``compile_cache_scope`` therefore keys a directory per model and load options, so
-that what a start loads was compiled for the same model with the same options. ``compile_times`` says where a
-start's compile time went.
+running inductor again. Dynamo still traces every graph again (24 s of FLUX.1-dev's 54.3 s warm start on the H200,
+RESULTS.md 2026-12-03e). Torch's caching precompile, which would save that trace, stays off unless
+``TORCH_CACHING_PRECOMPILE=1`` (torch's own switch) turns it on: a restart of the tiny FLUX.1 family failed under it
+on torch 2.13 and 2.11 (RESULTS.md 2026-12-03f; ``benchmarks/compile_cache.py`` checks a torch). When it is on,
+``save_compile_cache()`` (the server's call after its warm-up) writes each compiled function's guards and bytecode
+and ``precompiled_count`` counts what a process loaded; torch then drops guards on object identities, so
+``compile_cache_scope`` keys a directory per model and load options. ``compile_times`` says where a start's compile
+time went.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def compile_cache_scope(model_dir: str | Path, options: Sequence[tuple[str, Any]
 
 
 class _DroppedGuardNote(logging.Filter):
-    """Torch warns once per guard it drops for caching precompile (an object identity, which no other process
+    """Under caching precompile torch warns once per guard it drops (an object identity, which no other process
     shares); the scope of the cache directory stands for those guards, so the notes are kept out of the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -77,8 +77,8 @@ class _DroppedGuardNote(logging.Filter):
 
 
 def use_compile_cache(directory: str | Path) -> Path:
-    """Keep inductor's FX graph cache, AOTAutograd's cache, Triton's kernels and dynamo's precompiled functions
-    under ``directory`` (created); ``save_compile_cache`` writes the last once the process has compiled.
+    """Keep inductor's FX graph cache, AOTAutograd's cache and Triton's kernels under ``directory`` (created), and
+    dynamo's precompiled functions when ``TORCH_CACHING_PRECOMPILE=1`` (``save_compile_cache`` writes them).
 
     Call before the first ``torch.compile`` of the process: inductor and Triton read these locations when they first
     write, and dynamo looks a function up in its cache when ``torch.compile`` wraps it.
@@ -93,8 +93,8 @@ def use_compile_cache(directory: str | Path) -> Path:
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
-    functorch_config.bundled_autograd_cache = True  # what precompile saves as the backend (implied from torch 2.13)
-    dynamo_config.caching_precompile = True
+    if dynamo_config.caching_precompile:  # TORCH_CACHING_PRECOMPILE=1, read by torch at import
+        functorch_config.bundled_autograd_cache = True  # what precompile saves as the backend (implied from 2.13)
     guards_log = logging.getLogger("torch._dynamo.guards")
     if not any(isinstance(f, _DroppedGuardNote) for f in guards_log.filters):
         guards_log.addFilter(_DroppedGuardNote())
@@ -103,8 +103,9 @@ def use_compile_cache(directory: str | Path) -> Path:
 
 
 def save_compile_cache() -> int:
-    """Write what this process compiled to the compile cache (``use_compile_cache``): the backends' artifacts and
-    dynamo's precompiled functions; returns how many functions were written (0 when no cache is in use)."""
+    """Under caching precompile (``TORCH_CACHING_PRECOMPILE=1``), write what this process compiled to the compile
+    cache: the backends' artifacts and dynamo's precompiled functions; returns how many functions were written (0
+    when precompile is off)."""
     import torch
 
     if not torch._dynamo.config.caching_precompile:
@@ -146,17 +147,21 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` as a compiled block receives it: a view laid out contiguously becomes a plain alias (not a view)
-    with contiguous strides, without a copy; a tuple is done element by element; anything else (a tensor that is
-    no view: an op's fresh output, or a strided view) stays, at the cost of one attribute read."""
+    """``value`` as a compiled block receives it: a tensor laid out contiguously becomes a plain alias (not a view)
+    with contiguous strides, without a copy; a tuple is done element by element; anything else (a strided tensor, a
+    non-tensor) stays. Contiguous strides matter for tensors that are no view, too: inductor returns its outputs'
+    slices as plain tensors over the joint buffer (``reinterpret_tensor``), whose stride along a batch of one row is
+    the whole joint length's (FLUX.1's single-stream block compiled a second graph for them on every start)."""
+    import torch
+
     if type(value) is tuple:
         return tuple(_plain(item) for item in value)
-    if getattr(value, "_base", None) is None or not value.is_contiguous():
+    if not isinstance(value, torch.Tensor) or not value.is_contiguous():
         return value
     strides = _contiguous_strides(value.shape)
     if value.stride() != strides:  # differs only along size-1 dimensions (a slice of a batch of one row)
-        value = value.as_strided(value.shape, strides)
-    return value.detach()
+        return value.as_strided(value.shape, strides).detach()
+    return value if value._base is None else value.detach()
 
 
 def _plain_inputs(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:

@@ -157,9 +157,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     compile_cache_dir: Annotated[
         str | None,
         setting(
-            "keep inductor's FX graph and AOTAutograd caches and dynamo's precompiled functions here (a "
-            "subdirectory per model and load options), so a restart loads the compiled graphs instead of "
-            "compiling them (not with --enforce-eager)",
+            "keep inductor's FX graph and AOTAutograd caches here (a subdirectory per model and load options), so "
+            "a restart reuses the compiled graphs (not with --enforce-eager)",
             group="CompilationConfig",
             commands=BOTH,
             metavar="DIR",

@@ -312,8 +312,9 @@ class EngineCore:
 
     @staticmethod
     def _save_compile_cache() -> None:
-        """After a warm-up that compiled: where the compile went (dynamo's phases), and what it compiled written to
-        the compile cache (when the server keeps one), so that the next start loads it instead of tracing."""
+        """After a warm-up that compiled: where the compile went (dynamo's phases) and, under torch's caching
+        precompile (``TORCH_CACHING_PRECOMPILE=1``, opt-in), what it compiled written to the compile cache, so that
+        the next start loads it instead of tracing."""
         from omni_models.compilation import compile_times, save_compile_cache
 
         if compiled_graphs() == 0:
