@@ -146,17 +146,16 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, tensor: type) -> Any:
     """``value`` as a compiled block receives it: a tensor laid out contiguously becomes a plain alias (not a view)
     with contiguous strides, without a copy; a tuple is done element by element; anything else (a strided tensor, a
     non-tensor) stays. Contiguous strides matter for tensors that are no view, too: inductor returns its outputs'
     slices as plain tensors over the joint buffer (``reinterpret_tensor``), whose stride along a batch of one row is
-    the whole joint length's (FLUX.1's single-stream block compiled a second graph for them on every start)."""
-    import torch
-
+    the whole joint length's (FLUX.1's single-stream block compiled a second graph for them on every start).
+    ``tensor``: ``torch.Tensor`` (the caller's import; torch stays unimported at this module's import)."""
     if type(value) is tuple:
-        return tuple(_plain(item) for item in value)
-    if not isinstance(value, torch.Tensor) or not value.is_contiguous():
+        return tuple(_plain(item, tensor) for item in value)
+    if not isinstance(value, tensor) or not value.is_contiguous():
         return value
     strides = _contiguous_strides(value.shape)
     if value.stride() != strides:  # differs only along size-1 dimensions (a slice of a batch of one row)
@@ -175,7 +174,7 @@ def _plain_inputs(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tu
 
     if torch.is_grad_enabled():
         return None
-    return tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
+    return tuple(_plain(a, torch.Tensor) for a in args), {k: _plain(v, torch.Tensor) for k, v in kwargs.items()}
 
 
 def compile_modules(modules: Sequence[Any], settings: CompileSettings) -> int:

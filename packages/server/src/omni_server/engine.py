@@ -237,17 +237,6 @@ def compiled_graphs() -> int:
     return compile_count()
 
 
-def precompiled_functions() -> int:
-    """Functions loaded precompiled from the compile cache in this process (0 when nothing imported dynamo)."""
-    import sys
-
-    if "torch._dynamo" not in sys.modules:
-        return 0
-    from omni_models.compilation import precompiled_count
-
-    return precompiled_count()
-
-
 class EngineCore:
     """Step-level batching of any ``StepwisePipeline`` (see the module docstring). Not thread-safe."""
 
@@ -286,9 +275,12 @@ class EngineCore:
         started = time.monotonic()
         first = warmup_request(self.info, self._config.sequence_parallel_size)
         self._run_warmup([first])
-        # A compiled family runs its served shapes even when the first request compiled nothing: its graphs came
-        # precompiled from the compile cache, and running them now keeps any that do not fit out of serving.
+        # A compiled family runs its served shapes even when the first request compiled nothing: under torch's
+        # caching precompile (opt-in) its graphs can come from the compile cache, and running them now keeps any
+        # that do not fit out of serving.
         if compiled_graphs() > before or getattr(self.pipeline, "compiled", None) is not None:
+            from omni_models.compilation import precompiled_count
+
             first_s, started = time.monotonic() - started, time.monotonic()
             requests = [r for r in compiled_warmup_requests(self.info, self._config) if self._shares_forwards(r)]
             self._run_warmup(requests)
@@ -305,7 +297,7 @@ class EngineCore:
                 count,
                 time.monotonic() - started,
                 compiled_graphs(),
-                precompiled_functions(),
+                precompiled_count(),
             )
             self._save_compile_cache()
         self._step_latencies.clear()
